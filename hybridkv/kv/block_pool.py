@@ -1,0 +1,176 @@
+"""BlockPool: block ids shared by all KV cache groups, reference counts, and the prefix-cache map.
+
+Invariants (checked by `check_integrity`):
+- block 0 is the null block: never free, never cached, never counted; it pads skipped table entries.
+- a block with ref_cnt == 0 is in the free queue; a block with ref_cnt > 0 is not.
+- the free queue is LRU: cached blocks freed last are evicted last; uncached blocks are reused first.
+- a block is in the cache map under key k iff block.key == k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hybridkv.kv.hashing import BlockHash
+
+CacheKey = tuple[BlockHash, int]  # (block hash, group id)
+
+
+class Block:
+    __slots__ = ("block_id", "key", "next", "prev", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.key: CacheKey | None = None
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.key is not None})"
+
+
+class FreeBlockQueue:
+    """Doubly-linked list of free blocks with O(1) removal from the middle (a prefix hit revives a block)."""
+
+    def __init__(self, blocks: Iterable[Block]) -> None:
+        self.head = Block(-1)
+        self.tail = Block(-1)
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.size = 0
+        for b in blocks:
+            self.append(b)
+
+    def _link(self, block: Block, prev: Block, nxt: Block) -> None:
+        block.prev, block.next = prev, nxt
+        prev.next = block
+        nxt.prev = block
+        self.size += 1
+
+    def append(self, block: Block) -> None:
+        assert self.tail.prev is not None
+        self._link(block, self.tail.prev, self.tail)
+
+    def appendleft(self, block: Block) -> None:
+        assert self.head.next is not None
+        self._link(block, self.head, self.head.next)
+
+    def remove(self, block: Block) -> None:
+        assert block.prev is not None and block.next is not None, f"{block} is not in the free queue"
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.size -= 1
+
+    def popleft(self) -> Block:
+        block = self.head.next
+        assert block is not None and block is not self.tail, "free queue is empty"
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        node = self.head.next
+        while node is not None and node is not self.tail:
+            yield node
+            node = node.next
+
+
+class BlockPool:
+    """All block ids of a plan. Groups draw from it; a block belongs to one group at a time."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached: dict[CacheKey, Block] = {}
+        self.enable_caching = enable_caching
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now, counting cached blocks nobody holds (evictable)."""
+        return self.free_queue.size
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - 1 - self.free_queue.size
+
+    def get_cached_block(self, block_hash: BlockHash, group_id: int) -> Block | None:
+        return self.cached.get((block_hash, group_id)) if self.enable_caching else None
+
+    def get_new_blocks(self, n: int) -> list[Block]:
+        if n > self.free_queue.size:
+            raise ValueError(f"asked for {n} blocks, only {self.free_queue.size} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: Block) -> None:
+        if block.key is not None:
+            del self.cached[block.key]
+            block.key = None
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on prefix-hit blocks, reviving those that sat in the free queue."""
+        for block in blocks:
+            if block is self.null_block:
+                continue
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference each, in the given order (callers pass tail blocks first to evict them first)."""
+        for block in blocks:
+            if block is self.null_block:
+                continue
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.key is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def cache_block(self, block: Block, block_hash: BlockHash, group_id: int) -> None:
+        """Publish a full block under its hash. A key already taken by another block is left alone, so tables
+        stay append-only and the duplicate is freed as an ordinary block."""
+        if not self.enable_caching or block is self.null_block or block.key is not None:
+            return
+        key = (block_hash, group_id)
+        if key not in self.cached:
+            self.cached[key] = block
+            block.key = key
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash; returns how many were dropped."""
+        n = len(self.cached)
+        for block in self.cached.values():
+            block.key = None
+        self.cached.clear()
+        return n
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any invariant of the module docstring is broken."""
+        assert self.null_block.ref_cnt == 0 and self.null_block.key is None, "null block was used"
+        assert self.null_block.prev is None and self.null_block.next is None, "null block is in the free queue"
+        in_queue = set()
+        for block in self.free_queue:
+            assert block.block_id not in in_queue, f"{block} twice in the free queue"
+            assert block.ref_cnt == 0, f"{block} is referenced but in the free queue"
+            in_queue.add(block.block_id)
+        assert len(in_queue) == self.free_queue.size, "free queue size is off"
+        for block in self.blocks[1:]:
+            assert block.ref_cnt >= 0, f"{block} has a negative reference count"
+            assert (block.ref_cnt == 0) == (block.block_id in in_queue), f"{block} is neither held nor free"
+        for key, block in self.cached.items():
+            assert block.key == key, f"{block} is cached under a key it does not carry"
+        assert sum(b.key is not None for b in self.blocks) == len(self.cached), "a block carries a stale key"

@@ -1,0 +1,106 @@
+"""KVCacheCoordinator: one block pool, one manager per group, all-or-nothing allocation across groups."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hybridkv.kv.block_pool import Block, BlockPool
+from hybridkv.kv.hashing import BlockHash
+from hybridkv.kv.managers import MANAGERS, GroupManager
+from hybridkv.kv.plan import KVPlan
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A cached prefix every group accepts: `num_tokens` tokens, and per group the blocks that cover them."""
+
+    num_tokens: int
+    blocks: tuple[tuple[Block, ...], ...]
+
+    @staticmethod
+    def empty(num_groups: int) -> PrefixHit:
+        return PrefixHit(0, tuple(() for _ in range(num_groups)))
+
+
+class KVCacheCoordinator:
+    """Allocates block tables for requests across all KV cache groups of a plan."""
+
+    def __init__(self, plan: KVPlan, enable_prefix_caching: bool = True) -> None:
+        self.plan = plan
+        self.block_size = plan.block_size
+        self.pool = BlockPool(plan.num_blocks, enable_caching=enable_prefix_caching)
+        self.managers: list[GroupManager] = [MANAGERS[g.kind](g, self.pool) for g in plan.groups]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.managers)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def find_cached_prefix(self, hashes: Sequence[BlockHash], num_tokens: int) -> PrefixHit:
+        """The longest prefix, in whole blocks, that every group has cached. At least one token of the
+        request is left to compute, so the hit ends before its last token."""
+        if not self.pool.enable_caching:
+            return PrefixHit.empty(self.num_groups)
+        length = min(len(hashes), (num_tokens - 1) // self.block_size)
+        # Fixed point: each group shortens the candidate until all accept the same length.
+        while True:
+            hits = [m.find_longest_hit(hashes, length) for m in self.managers]
+            shortest = min(len(h) for h in hits)
+            if shortest == length:
+                return PrefixHit(length * self.block_size, tuple(tuple(h) for h in hits))
+            length = shortest
+
+    def allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Make every group's table for `req_id` cover tokens [0, num_tokens). Tokens [0, num_computed_tokens)
+        are done, so blocks that left a sliding window go first. A `hit` is for a request with no blocks yet.
+        Returns False, changing nothing, when the free blocks do not suffice."""
+        for m in self.managers:
+            m.remove_skipped_blocks(req_id, num_computed_tokens)
+        hit_blocks = hit.blocks if hit is not None else tuple(() for _ in self.managers)
+        need = sum(m.num_blocks_to_allocate(req_id, num_tokens, h) for m, h in zip(self.managers, hit_blocks))
+        if need > self.pool.num_free_blocks:
+            return False
+        if hit is not None:
+            # Take every group's hits before any new block, so no allocation evicts a block we are reusing.
+            for m, h in zip(self.managers, hit_blocks):
+                m.add_hit_blocks(req_id, h)
+        for m in self.managers:
+            m.allocate(req_id, num_tokens)
+        return True
+
+    def cache_blocks(self, req_id: str, hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        """Publish the full blocks among the request's first `num_tokens` tokens, in every group."""
+        for m in self.managers:
+            m.cache_blocks(req_id, hashes, num_tokens)
+
+    def free(self, req_id: str) -> None:
+        for m in self.managers:
+            m.free(req_id)
+
+    def block_ids(self, req_id: str) -> list[list[int]]:
+        """Per group, the request's block table (0 marks an entry outside the window)."""
+        return [m.block_ids(req_id) for m in self.managers]
+
+    def num_requests(self) -> int:
+        return len({r for m in self.managers for r in m.tables})
+
+    def check_integrity(self, extra_refs: Counter[int] | None = None) -> None:
+        """Pool invariants, plus: each block's reference count equals the tables (and `extra_refs`, e.g. a
+        connector's holds) that contain it, and no block serves two groups."""
+        self.pool.check_integrity()
+        refs: Counter[int] = Counter(extra_refs or {})
+        owner: dict[int, int] = {}
+        for m in self.managers:
+            for table in m.tables.values():
+                for b in table:
+                    if b is self.pool.null_block:
+                        continue
+                    refs[b.block_id] += 1
+                    assert owner.setdefault(b.block_id, m.group_id) == m.group_id, f"{b} serves two groups"
+        for b in self.pool.blocks[1:]:
+            assert b.ref_cnt == refs[b.block_id], f"{b} has {refs[b.block_id]} holders"

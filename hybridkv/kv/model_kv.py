@@ -1,0 +1,199 @@
+"""Turn a Hugging Face `config.json` into what each layer needs from the KV cache.
+
+Layers that share another layer's KV (Gemma 4's last `num_kv_shared_layers`) get no spec: they map to a target.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridkv.kv.spec import FullAttentionSpec, KVSpec, SlidingWindowSpec, resolve_dtype
+
+
+@dataclass(frozen=True)
+class LayerAttn:
+    """Attention shape of one layer, before block size and dtype are chosen."""
+
+    kind: str  # "full_attention" | "sliding_window"
+    num_kv_heads: int
+    head_size: int
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelKV:
+    """Per-layer KV specs. `specs[i] is None` exactly when layer i reads `shared[i]`'s KV."""
+
+    model_type: str
+    specs: tuple[KVSpec | None, ...]
+    shared: Mapping[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for consumer, target in self.shared.items():
+            if not 0 <= target < consumer < len(self.specs):
+                raise ValueError(f"layer {consumer} must share the KV of an earlier layer, not {target}")
+            if self.specs[consumer] is not None or self.specs[target] is None:
+                raise ValueError(f"layer {consumer} shares layer {target}: it must have no spec, its target one")
+        missing = [i for i, s in enumerate(self.specs) if s is None and i not in self.shared]
+        if missing:
+            raise ValueError(f"layers {missing} have neither a KV spec nor a KV-sharing target")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.specs)
+
+    @property
+    def owners(self) -> list[int]:
+        return [i for i, s in enumerate(self.specs) if s is not None]
+
+
+def load_hf_config(path: str | Path) -> dict[str, Any]:
+    """Read `config.json` from a file or a model folder."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ValueError(f"no config.json at {path}: pass a config.json file or a model folder that has one")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p} is not valid JSON: {e}") from e
+
+
+def _head_dim(cfg: Mapping[str, Any]) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def _kv_heads(cfg: Mapping[str, Any]) -> int:
+    return cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+
+
+_LAYER_KINDS = {"full_attention": "full_attention", "sliding_attention": "sliding_window"}
+
+
+def _from_layer_types(cfg: Mapping[str, Any], layer_types: list[str]) -> list[LayerAttn]:
+    if len(layer_types) != cfg["num_hidden_layers"]:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {cfg['num_hidden_layers']} layers")
+    layers = []
+    for i, t in enumerate(layer_types):
+        if t not in _LAYER_KINDS:
+            raise ValueError(f"layer {i} has unsupported type {t!r}; supported: {', '.join(_LAYER_KINDS)}")
+        kind = _LAYER_KINDS[t]
+        window = cfg.get("sliding_window") if kind == "sliding_window" else None
+        if kind == "sliding_window" and not window:
+            raise ValueError(f"layer {i} is sliding_attention but the config has no sliding_window")
+        layers.append(LayerAttn(kind, _kv_heads(cfg), _head_dim(cfg), window))
+    return layers
+
+
+def _dense(cfg: Mapping[str, Any]) -> tuple[list[LayerAttn], dict[int, int]]:
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        sliding_from = cfg.get("max_window_layers", n) if cfg.get("use_sliding_window") else n
+        types = ["sliding_attention" if i >= sliding_from else "full_attention" for i in range(n)]
+    return _from_layer_types(cfg, types), {}
+
+
+def _gemma3(cfg: Mapping[str, Any]) -> tuple[list[LayerAttn], dict[int, int]]:
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern", 6)
+        types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg["num_hidden_layers"])
+        ]
+    return _from_layer_types(cfg, types), {}
+
+
+def _gpt_oss(cfg: Mapping[str, Any]) -> tuple[list[LayerAttn], dict[int, int]]:
+    types = cfg.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(cfg["num_hidden_layers"])]
+    return _from_layer_types(cfg, types), {}
+
+
+def gemma4_kv_targets(layer_types: list[str], num_kv_shared_layers: int) -> dict[int, int]:
+    """Consumer -> target: each of the last `num_kv_shared_layers` layers reads the KV of the last earlier
+    non-consumer layer of its own type. Computed here because configs older than transformers 5.24 lack
+    `kv_sharing_modes`."""
+    n = len(layer_types)
+    first_shared = n - num_kv_shared_layers
+    if num_kv_shared_layers <= 0:
+        return {}
+    if first_shared <= 0:
+        raise ValueError(f"num_kv_shared_layers={num_kv_shared_layers} leaves no layer to own KV ({n} layers)")
+    last_owner = {t: i for i, t in enumerate(layer_types[:first_shared])}
+    targets = {}
+    for i in range(first_shared, n):
+        if layer_types[i] not in last_owner:
+            raise ValueError(f"KV-sharing layer {i} ({layer_types[i]}) has no earlier layer of its type to read")
+        targets[i] = last_owner[layer_types[i]]
+    return targets
+
+
+def _gemma4(cfg: Mapping[str, Any]) -> tuple[list[LayerAttn], dict[int, int]]:
+    if "text_config" in cfg:
+        cfg = cfg["text_config"]
+    n = cfg["num_hidden_layers"]
+    types = list(cfg.get("layer_types") or [])
+    if not types:
+        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+    types[-1] = "full_attention"  # Gemma 4 forces its last layer to full attention.
+    overrides = cfg.get("per_layer_config")
+    if overrides is None:  # Written by transformers < 5.24: global_* fields instead of per-layer overrides.
+        full: dict[str, int] = {"head_dim": cfg.get("global_head_dim", 512)}
+        if cfg.get("attention_k_eq_v", True) and cfg.get("num_global_key_value_heads"):
+            full["num_key_value_heads"] = cfg["num_global_key_value_heads"]
+        overrides = {i: full for i, t in enumerate(types) if t == "full_attention"}
+    # transformers writes the keys as zero-padded strings ("07" once there are 10+ layers).
+    by_layer = {int(k): v for k, v in overrides.items()}
+    layers = []
+    for i, base in enumerate(_from_layer_types(cfg, types)):
+        o = by_layer.get(i, {})
+        heads = o.get("num_key_value_heads", base.num_kv_heads)
+        layers.append(LayerAttn(base.kind, heads, o.get("head_dim", base.head_size), base.sliding_window))
+    return layers, gemma4_kv_targets(types, cfg.get("num_kv_shared_layers", 0))
+
+
+MODEL_READERS: dict[str, Callable[[Mapping[str, Any]], tuple[list[LayerAttn], dict[int, int]]]] = {
+    "llama": _dense,
+    "qwen3": _dense,
+    "qwen2": _dense,
+    "mistral": _dense,
+    "gemma3_text": _gemma3,
+    "gpt_oss": _gpt_oss,
+    "gemma4_text": _gemma4,
+    "gemma4": _gemma4,
+}
+
+_SPEC_CLASSES: dict[str, Callable[..., KVSpec]] = {
+    "full_attention": lambda a, **kw: FullAttentionSpec(**kw),
+    "sliding_window": lambda a, **kw: SlidingWindowSpec(sliding_window=a.sliding_window, **kw),
+}
+
+
+def model_kv_from_hf(cfg: Mapping[str, Any], *, block_size: int = 16, dtype: str | torch.dtype = "bfloat16") -> ModelKV:
+    """Per-layer specs for a Hugging Face config dict. Unknown model types are an error naming the known ones."""
+    model_type = cfg.get("model_type")
+    if model_type not in MODEL_READERS:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_READERS))}")
+    try:
+        layers, shared = MODEL_READERS[model_type](cfg)
+    except KeyError as e:
+        raise ValueError(f"config of model_type {model_type!r} lacks the field {e.args[0]!r}") from e
+    torch_dtype = resolve_dtype(dtype)
+    specs = tuple(
+        None
+        if i in shared
+        else _SPEC_CLASSES[a.kind](
+            a, num_kv_heads=a.num_kv_heads, head_size=a.head_size, dtype=torch_dtype, block_size=block_size
+        )
+        for i, a in enumerate(layers)
+    )
+    return ModelKV(model_type=model_type, specs=specs, shared=shared)
