@@ -1,0 +1,31 @@
+"""EngineConfig: everything `LLM(...)` and `hybridkv generate/serve` take, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridkv.kv.layout import KV_LAYOUTS
+from hybridkv.units import parse_bytes
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    device: str | None = None  # None: cuda when available, else cpu
+    kv_layout: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | str = "1GiB"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 8192
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_prefix_caching: bool = True
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))

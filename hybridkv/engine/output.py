@@ -1,0 +1,31 @@
+"""The only objects that cross from scheduler to runner and back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Run tokens [start, start + len(token_ids)) of one request. `block_tables[g]` is the request's whole
+    table in group g; `sample` is set when the chunk reaches the request's last known token."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    block_tables: list[list[int]]
+    sample: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks

@@ -1,0 +1,84 @@
+"""Request: one prompt's state as it moves through waiting -> running -> finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.kv.hashing import BlockHash, hash_blocks
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+class Request:
+    """Tokens [0, num_computed_tokens) have KV in the cache; tokens [num_computed_tokens, num_tokens) do not."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        block_size: int,
+        eos_token_ids: tuple[int, ...] = (),
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.block_size = block_size
+        self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.stop_reason: str | int | None = None
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.block_hashes: list[BlockHash] = []
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self._update_hashes()
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def _update_hashes(self) -> None:
+        parent = self.block_hashes[-1] if self.block_hashes else None
+        self.block_hashes += hash_blocks(
+            self.all_token_ids,
+            self.block_size,
+            parent=parent,
+            cache_salt=self.cache_salt,
+            start_block=len(self.block_hashes),
+        )
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        if self.num_tokens % self.block_size == 0:
+            self._update_hashes()

@@ -1,0 +1,37 @@
+"""Tokenizer: a model folder's tokenizer.json through the `tokenizers` library (fast to load)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"{model_dir} has no tokenizer.json: pass token ids, or add the tokenizer files")
+        self._tok = _HFTokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def eos_token_ids(model_dir: str | Path, hf_config: dict) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, else config.json (an int or a list in either)."""
+    ids: set[int] = set()
+    gen = Path(model_dir) / "generation_config.json"
+    sources = [json.loads(gen.read_text())] if gen.is_file() else []
+    sources.append(hf_config.get("text_config", hf_config))
+    sources.append(hf_config)
+    for src in sources:
+        value = src.get("eos_token_id")
+        if value is not None:
+            ids.update(value if isinstance(value, list) else [value])
+            break
+    return tuple(sorted(ids))
