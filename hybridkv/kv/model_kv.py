@@ -148,7 +148,7 @@ def _gemma4(cfg: Mapping[str, Any]) -> tuple[list[LayerAttn], dict[int, int]]:
     overrides = cfg.get("per_layer_config")
     if overrides is None:  # Written by transformers < 5.24: global_* fields instead of per-layer overrides.
         full: dict[str, int] = {"head_dim": cfg.get("global_head_dim", 512)}
-        if cfg.get("attention_k_eq_v", True) and cfg.get("num_global_key_value_heads"):
+        if cfg.get("attention_k_eq_v", False) and cfg.get("num_global_key_value_heads"):
             full["num_key_value_heads"] = cfg["num_global_key_value_heads"]
         overrides = {i: full for i, t in enumerate(types) if t == "full_attention"}
     # transformers writes the keys as zero-padded strings ("07" once there are 10+ layers).

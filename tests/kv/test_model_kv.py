@@ -60,6 +60,8 @@ def test_gemma4_global_kv_heads_apply_only_with_k_eq_v():
     cfg = load_hf_config(CONFIGS / "gemma4-31b-like.json")
     assert model_kv_from_hf(cfg).specs[5].num_kv_heads == 4
     assert model_kv_from_hf(cfg | {"attention_k_eq_v": False}).specs[5].num_kv_heads == 16
+    absent = {k: v for k, v in cfg.items() if k != "attention_k_eq_v"}  # transformers defaults it to false
+    assert model_kv_from_hf(absent).specs[5].num_kv_heads == 16
 
 
 @pytest.mark.parametrize(
