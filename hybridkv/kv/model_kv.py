@@ -101,6 +101,14 @@ def _dense(cfg: Mapping[str, Any]) -> tuple[list[LayerAttn], dict[int, int]]:
     return _from_layer_types(cfg, types), {}
 
 
+def _mistral(cfg: Mapping[str, Any]) -> tuple[list[LayerAttn], dict[int, int]]:
+    types = cfg.get("layer_types")
+    if types is None:  # a sliding_window slides every layer
+        kind = "sliding_attention" if cfg.get("sliding_window") else "full_attention"
+        types = [kind] * cfg["num_hidden_layers"]
+    return _from_layer_types(cfg, types), {}
+
+
 def _gemma3(cfg: Mapping[str, Any]) -> tuple[list[LayerAttn], dict[int, int]]:
     types = cfg.get("layer_types")
     if types is None:
@@ -165,7 +173,7 @@ MODEL_READERS: dict[str, Callable[[Mapping[str, Any]], tuple[list[LayerAttn], di
     "llama": _dense,
     "qwen3": _dense,
     "qwen2": _dense,
-    "mistral": _dense,
+    "mistral": _mistral,
     "gemma3_text": _gemma3,
     "gpt_oss": _gpt_oss,
     "gemma4_text": _gemma4,

@@ -29,6 +29,12 @@ def test_qwen3_uses_its_head_dim():
     assert kinds(m) == "F" * 28 and m.specs[0].head_size == 128 and m.specs[0].block_size == 32
 
 
+def test_mistral_with_a_window_slides_every_layer():
+    cfg = load_hf_config(CONFIGS / "llama-3-8b.json") | {"model_type": "mistral", "sliding_window": 4096}
+    assert kinds(model_kv_from_hf(cfg)) == "S" * 32
+    assert kinds(model_kv_from_hf(cfg | {"sliding_window": None})) == "F" * 32
+
+
 def test_gemma3_derives_the_pattern_without_layer_types():
     m = model_kv_from_hf(load_hf_config(CONFIGS / "gemma3-27b-like.json"))
     assert kinds(m) == ("SSSSSF" * 11)[:62]

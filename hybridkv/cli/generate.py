@@ -1,0 +1,66 @@
+"""`hybridkv generate`: run prompts through the engine and stream the text to the terminal."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Annotated
+
+import typer
+
+from hybridkv.kv.layout import KV_LAYOUTS
+
+
+def generate(
+    prompt: Annotated[list[str], typer.Option(help="prompt text (repeat for a batch)")],
+    model: Annotated[str, typer.Option(help="model folder: config.json, safetensors, tokenizer")],
+    max_tokens: Annotated[int, typer.Option(help="tokens to generate per prompt")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
+    seed: Annotated[int | None, typer.Option()] = None,
+    dtype: Annotated[str, typer.Option()] = "float32",
+    kv_layout: Annotated[str, typer.Option(help=" | ".join(KV_LAYOUTS))] = "auto",
+    kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget, e.g. 1GiB")] = "1GiB",
+    max_model_len: Annotated[int | None, typer.Option()] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+) -> None:
+    import torch
+
+    from hybridkv.engine.config import EngineConfig
+    from hybridkv.engine.engine import LLMEngine
+    from hybridkv.engine.sampling_params import SamplingParams
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                kv_layout=kv_layout,
+                kv_cache_memory=kv_cache_memory,
+                max_model_len=max_model_len,
+            )
+        )
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        reqs = [engine.add_request(p, params) for p in prompt]
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    start, shown = time.perf_counter(), ""
+    stream = reqs[0] if len(reqs) == 1 else None
+    while engine.has_unfinished():
+        engine.step()
+        if stream is not None:
+            text = engine.output_text(stream)
+            sys.stdout.write(text[len(shown) :])
+            sys.stdout.flush()
+            shown = text
+    if stream is None:
+        for p, r in zip(prompt, reqs):
+            typer.echo(f"--- {p!r}\n{engine.output_text(r)}")
+    else:
+        typer.echo()
+    n = sum(len(r.output_token_ids) for r in reqs)
+    typer.echo(f"[{n} tokens in {time.perf_counter() - start:.2f}s]", err=True)

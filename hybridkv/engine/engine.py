@@ -1,0 +1,113 @@
+"""LLMEngine: add requests, then step() = schedule -> run -> update, until every request finished."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.request import Request, RequestStatus
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
+from hybridkv.engine.tokenizer import Tokenizer, eos_token_ids
+from hybridkv.kv.coordinator import KVCacheCoordinator
+from hybridkv.kv.layout import cross_layers_enabled
+from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
+from hybridkv.kv.planner import CacheConfig, plan_kv_cache
+from hybridkv.models.registry import load_model
+from hybridkv.runner.model_runner import ModelRunner
+from hybridkv.runner.sampler import sample
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        hf = load_hf_config(config.model)
+        text = hf.get("text_config", hf)
+        max_len = config.max_model_len or min(text.get("max_position_embeddings", 8192), 8192)
+        model_kv = model_kv_from_hf(hf, block_size=config.block_size, dtype=config.dtype)
+        self.plan = plan_kv_cache(
+            model_kv,
+            CacheConfig(
+                memory_bytes=int(config.kv_cache_memory),
+                max_model_len=max_len,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                kv_layout=config.kv_layout,
+                enable_cross_layers_blocks=cross_layers_enabled(config.kv_connector_extra_config),
+            ),
+        )
+        self.model = load_model(config.model, dtype=config.dtype, device=self.device)
+        self.kv = KVCacheCoordinator(self.plan, enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len)
+        )
+        self.runner = ModelRunner(self.model, self.plan, self.device)
+        try:
+            self.tokenizer: Tokenizer | None = Tokenizer(config.model)
+        except ValueError:
+            self.tokenizer = None
+        self.eos_token_ids = eos_token_ids(config.model, hf)
+        self._ids = itertools.count()
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer: pass prompts as token id lists")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        req = Request(request_id or f"req-{next(self._ids)}", ids, params, self.plan.block_size, self.eos_token_ids)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """One schedule -> run -> update. Returns the requests that finished in this step."""
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        req_ids, logits = self.runner.run(output)
+        reqs = [self.scheduler.requests[r] for r in req_ids]
+        banned = [
+            r.eos_token_ids + r.params.stop_token_ids if len(r.output_token_ids) < r.params.min_tokens else ()
+            for r in reqs
+        ]
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], banned)
+        finished = self.scheduler.update(output, dict(zip(req_ids, tokens)))
+        finished += self._check_stop_strings([r for r in reqs if not r.status.finished])
+        return finished
+
+    def _check_stop_strings(self, reqs: list[Request]) -> list[Request]:
+        done = []
+        for r in reqs:
+            if not r.params.stop or self.tokenizer is None:
+                continue
+            text = self.tokenizer.decode(r.output_token_ids)
+            hit = next((s for s in r.params.stop if s in text), None)
+            if hit is not None:
+                r.stop_reason = hit
+                self.scheduler.finish(r.request_id, RequestStatus.FINISHED_STOPPED)
+                done.append(r)
+        return done
+
+    def output_text(self, req: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(req.output_token_ids)
+        if isinstance(req.stop_reason, str):
+            text = text[: text.find(req.stop_reason)]
+        return text

@@ -1,0 +1,59 @@
+"""LLM: the offline Python API, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.engine import LLMEngine
+from hybridkv.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} sampling params")
+        reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [
+            RequestOutput(
+                r.request_id,
+                p if isinstance(p, str) else None,
+                r.prompt_token_ids,
+                [CompletionOutput(0, self.engine.output_text(r), r.output_token_ids, r.status.value, r.stop_reason)],
+            )
+            for r, p in zip(reqs, prompts)
+        ]

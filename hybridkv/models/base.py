@@ -1,0 +1,39 @@
+"""The one contract between models and the KV cache: models compute q/k/v, an AttentionFn does the rest.
+
+Models are plain torch and know nothing of blocks. A forward pass runs over a flat batch of N tokens (several
+requests packed back to back); the AttentionFn knows which request each token belongs to, where its KV lives
+and which earlier tokens it may see (causal, plus the layer's sliding window).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+class AttentionFn(Protocol):
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [N, num_heads, head_size]
+        k: torch.Tensor | None,  # [N, num_kv_heads, head_size]; None for a KV-sharing consumer layer
+        v: torch.Tensor | None,  # same; None for a consumer
+        scale: float,
+    ) -> torch.Tensor:  # [N, num_heads, head_size]
+        """Store k/v of the N new tokens for `layer` (unless None), then attend each query to the KV its
+        token may see: for a consumer, the KV its target layer stored. Returns the attention output."""
+        ...
+
+
+class CausalLM(nn.Module):
+    """A decoder-only model over a flat token batch."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        """input_ids, positions: [N] (positions restart at each request's offset). Returns hidden [N, hidden]."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[M, hidden] -> [M, vocab] (final norm already applied by forward; softcapping etc. applied here)."""
+        raise NotImplementedError

@@ -1,0 +1,228 @@
+"""Gemma 4 text decoder (`gemma4_text`, and the language model of a multimodal `gemma4` checkpoint).
+
+Per layer: sliding or full attention with its own head size and KV heads, q/k RMSNorm (v normed without a scale),
+RoPE per layer type (full layers: `proportional`, rotating only part of the head), attention scale 1, four
+norms around attention and MLP, a per-layer-embedding (PLE) residual and a learned `layer_scalar`.
+The last `num_kv_shared_layers` layers are KV-sharing consumers: they project only q and read the KV their
+target stored (the map comes from `hybridkv.kv.model_kv`). Module names mirror transformers'.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.kv.model_kv import MODEL_READERS, LayerAttn
+from hybridkv.models.base import AttentionFn, CausalLM
+from hybridkv.models.llama import ACTIVATIONS
+from hybridkv.models.rope import Rotary, apply_rope
+
+# Gemma4TextConfig's defaults, for configs that leave a field out.
+TEXT_DEFAULTS: dict[str, Any] = {
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "sliding_window": 512,
+    "final_logit_softcapping": None,
+    "hidden_size_per_layer_input": 256,
+    "vocab_size_per_layer_input": 262_144,
+    "attention_k_eq_v": False,
+    "num_kv_shared_layers": 0,
+    "use_double_wide_mlp": False,
+    "tie_word_embeddings": True,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+    },
+}
+_LAYER_OVERRIDES = {"head_dim", "num_key_value_heads"}
+_CONSUMER_SKIPS = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
+
+
+def _in_dtype(scale: float, dtype: torch.dtype) -> float:
+    """`scale` rounded to `dtype`, as transformers multiplies by a scale tensor of the weights' dtype."""
+    return torch.tensor(scale, dtype=dtype, device="cpu").item()
+
+
+class RMSNorm(nn.Module):
+    """Gemma 4's RMSNorm: computed in float32, scaled by `weight` (not `1 + weight`), or unscaled."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any], shape: LayerAttn, consumer: bool) -> None:
+        super().__init__()
+        hidden, heads, hd, eps = cfg["hidden_size"], cfg["num_attention_heads"], shape.head_size, cfg["rms_norm_eps"]
+        bias = cfg["attention_bias"]
+        self.head_dim = hd
+        self.q_proj = nn.Linear(hidden, heads * hd, bias=bias)
+        self.q_norm = RMSNorm(hd, eps)
+        self.o_proj = nn.Linear(heads * hd, hidden, bias=bias)
+        self.k_proj = self.v_proj = self.k_norm = self.v_norm = None
+        if not consumer:
+            self.k_proj = nn.Linear(hidden, shape.num_kv_heads * hd, bias=bias)
+            k_eq_v = cfg["attention_k_eq_v"] and shape.kind == "full_attention"
+            self.v_proj = None if k_eq_v else nn.Linear(hidden, shape.num_kv_heads * hd, bias=bias)
+            self.k_norm = RMSNorm(hd, eps)
+            self.v_norm = RMSNorm(hd, eps, with_scale=False)
+
+    def forward(
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(n, -1, self.head_dim)), cos, sin)
+        k = v = None
+        if self.k_proj is not None:
+            k_raw = self.k_proj(x).view(n, -1, self.head_dim)
+            v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(n, -1, self.head_dim)
+            k, v = apply_rope(self.k_norm(k_raw), cos, sin), self.v_norm(v_raw)
+        return self.o_proj(attn(layer, q, k, v, 1.0).reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+        super().__init__()
+        self.act = ACTIVATIONS[act]
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any], shape: LayerAttn, consumer: bool) -> None:
+        super().__init__()
+        hidden, eps, ple = cfg["hidden_size"], cfg["rms_norm_eps"], cfg["hidden_size_per_layer_input"]
+        wide = 2 if cfg["use_double_wide_mlp"] and consumer else 1
+        self.self_attn = Attention(cfg, shape, consumer)
+        self.mlp = MLP(hidden, cfg["intermediate_size"] * wide, cfg["hidden_activation"])
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.act = ACTIVATIONS[cfg["hidden_activation"]]
+        self.per_layer_input_gate = nn.Linear(hidden, ple, bias=False) if ple else None
+        self.per_layer_projection = nn.Linear(ple, hidden, bias=False) if ple else None
+        self.post_per_layer_input_norm = RMSNorm(hidden, eps) if ple else None
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,  # [N, hidden]
+        per_layer_input: torch.Tensor | None,  # [N, hidden_size_per_layer_input]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionFn,
+    ) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(layer, self.input_layernorm(x), cos, sin, attn))
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if per_layer_input is not None:
+            gated = self.act(self.per_layer_input_gate(x)) * per_layer_input
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return x * self.layer_scalar
+
+
+class Gemma4ForCausalLM(CausalLM):
+    """Gemma 4's text model. `layer_windows[i]`: layer i's sliding window (None: full attention);
+    `kv_sharing`: consumer layer -> the layer whose KV it reads."""
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        super().__init__()
+        multimodal = "text_config" in cfg
+        tied = cfg.get("tie_word_embeddings", True)  # a multimodal checkpoint's own field, not its text_config's
+        cfg = {**TEXT_DEFAULTS, **(cfg["text_config"] if multimodal else cfg)}
+        _check_supported(cfg)
+        shapes, self.kv_sharing = MODEL_READERS["gemma4_text"](cfg)
+        self.layer_windows: list[int | None] = [s.sliding_window for s in shapes]
+        # model_kv forces the last layer to full attention, as transformers does.
+        self.layer_types = ["full_attention" if s.kind == "full_attention" else "sliding_attention" for s in shapes]
+        # A multimodal checkpoint nests the text model; its vision and audio towers are not ours.
+        self._prefixes = [("model.language_model.", ""), ("model.", None)] if multimodal else [("model.", "")]
+
+        hidden, n = cfg["hidden_size"], cfg["num_hidden_layers"]
+        self.embed_scale = hidden**0.5
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, s, i in self.kv_sharing) for i, s in enumerate(shapes))
+        self.norm = RMSNorm(hidden, cfg["rms_norm_eps"])
+        self.lm_head = None if tied else nn.Linear(hidden, cfg["vocab_size"], bias=False)
+        self.softcap: float | None = cfg["final_logit_softcapping"]
+
+        self.ple_dim: int = cfg["hidden_size_per_layer_input"]
+        if self.ple_dim:
+            self.embed_tokens_per_layer = nn.Embedding(cfg["vocab_size_per_layer_input"], n * self.ple_dim)
+            self.per_layer_model_projection = nn.Linear(hidden, n * self.ple_dim, bias=False)
+            self.per_layer_projection_norm = RMSNorm(self.ple_dim, cfg["rms_norm_eps"])
+
+        self.rotary: dict[str, Rotary] = {}
+        for t in sorted(set(self.layer_types)):
+            dims = {s.head_size for s, lt in zip(shapes, self.layer_types) if lt == t}
+            if len(dims) > 1 or t not in cfg["rope_parameters"]:
+                raise ValueError(f"{t} layers need one head_dim and a rope_parameters entry; got {dims}")
+            self.rotary[t] = Rotary(cfg["rope_parameters"][t], dims.pop())
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) * _in_dtype(self.embed_scale, self.embed_tokens.weight.dtype)
+        per_layer = self._per_layer_inputs(input_ids, x) if self.ple_dim else None
+        rope = {t: r(positions, x.dtype) for t, r in self.rotary.items()}
+        for i, layer in enumerate(self.layers):
+            cos, sin = rope[self.layer_types[i]]
+            x = layer(i, x, None if per_layer is None else per_layer[:, i], cos, sin, attn)
+        return self.norm(x)
+
+    def _per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """[N, num_layers, ple_dim]: the token's own per-layer embedding plus a projection of its embedding."""
+        shape = (x.shape[0], len(self.layers), self.ple_dim)
+        scale = _in_dtype(self.ple_dim**0.5, self.embed_tokens_per_layer.weight.dtype)
+        token = (self.embed_tokens_per_layer(input_ids) * scale).view(shape)
+        context = self.per_layer_model_projection(x) * x.shape[-1] ** -0.5
+        context = self.per_layer_projection_norm(context.view(shape))
+        return (context + token) * 2**-0.5
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Our state-dict name for a checkpoint tensor, or None to skip it (vision/audio towers, a tied lm_head,
+        k/v weights some checkpoints carry for KV-sharing consumers)."""
+        for prefix, ours in self._prefixes:
+            if name.startswith(prefix):
+                if ours is None:
+                    return None
+                name = ours + name.removeprefix(prefix)
+                break
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None
+        consumer_kv = _CONSUMER_SKIPS.match(name)
+        return None if consumer_kv and int(consumer_kv[1]) in self.kv_sharing else name
+
+
+def _check_supported(cfg: Mapping[str, Any]) -> None:
+    if cfg.get("enable_moe_block"):
+        raise ValueError("Gemma 4 with enable_moe_block (the MoE feed-forward) is not supported")
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise ValueError("Gemma 4 with use_bidirectional_attention='all' is not causal: not supported")
+    if cfg["hidden_activation"] not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_activation {cfg['hidden_activation']!r}")
+    for layer, override in (cfg.get("per_layer_config") or {}).items():
+        if set(override) - _LAYER_OVERRIDES:
+            extra = ", ".join(sorted(set(override) - _LAYER_OVERRIDES))
+            raise ValueError(f"per_layer_config of layer {layer} overrides {extra}: only {_LAYER_OVERRIDES} supported")

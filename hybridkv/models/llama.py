@@ -1,0 +1,131 @@
+"""Dense Llama-style decoders: llama, mistral, qwen2 (q/k/v biases) and qwen3 (per-head q/k RMSNorm).
+
+Module names mirror transformers' (`layers.3.self_attn.q_proj`, ...) so a checkpoint loads by dropping `model.`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.kv.model_kv import MODEL_READERS
+from hybridkv.models.base import AttentionFn, CausalLM
+from hybridkv.models.rope import Rotary, apply_rope, rope_parameters
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any], head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, cfg["rms_norm_eps"]) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, cfg["rms_norm_eps"]) if qk_norm else None
+
+    def forward(
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, -1, self.head_dim)
+        k = self.k_proj(x).view(n, -1, self.head_dim)
+        v = self.v_proj(x).view(n, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        out = attn(layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, self.scale)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool) -> None:
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}; supported: {', '.join(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[act]
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any], head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, head_dim, qkv_bias, o_bias, qk_norm)
+        mlp_bias = cfg.get("mlp_bias", False)
+        self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"], cfg.get("hidden_act", "silu"), mlp_bias)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+
+    def forward(
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
+    ) -> torch.Tensor:
+        x = x + self.self_attn(layer, self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(CausalLM):
+    """llama, mistral, qwen2, qwen3. `layer_windows[i]` is layer i's sliding window (None: full attention),
+    as `hybridkv.kv.model_kv` plans it; dense models share no KV."""
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        super().__init__()
+        model_type = cfg.get("model_type")
+        cfg = {"rms_norm_eps": 1e-6, **cfg}
+        cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        layers, _ = MODEL_READERS[model_type](cfg)
+        self.layer_windows: list[int | None] = [a.sliding_window for a in layers]
+        self.kv_sharing: dict[int, int] = {}
+
+        qwen2 = model_type == "qwen2"
+        bias = cfg.get("attention_bias", False)
+        qkv_bias, o_bias = (True, False) if qwen2 else (bias, bias)
+        qk_norm = model_type == "qwen3"
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, head_dim, qkv_bias, o_bias, qk_norm) for _ in range(cfg["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        tied = cfg.get("tie_word_embeddings", False)
+        self.lm_head = None if tied else nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.rotary = Rotary(rope_parameters(cfg), head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(i, x, cos, sin, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Our state-dict name for a checkpoint tensor, or None to skip it."""
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+            return None
+        return name.removeprefix("model.")

@@ -1,0 +1,52 @@
+"""model_type -> model class, and `load_model`: a Hugging Face model folder to a ready CausalLM."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridkv.kv.model_kv import load_hf_config
+from hybridkv.models.base import CausalLM
+from hybridkv.models.gemma4 import Gemma4ForCausalLM
+from hybridkv.models.llama import LlamaForCausalLM
+from hybridkv.models.loader import load_weights, resolve_dtype
+
+MODELS: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "gemma4_text": Gemma4ForCausalLM,
+    "gemma4": Gemma4ForCausalLM,  # the text model of the multimodal checkpoint
+}
+
+
+def model_class(cfg: Mapping[str, Any]) -> type[CausalLM]:
+    model_type = cfg.get("model_type")
+    if model_type not in MODELS:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODELS))}")
+    return MODELS[model_type]
+
+
+def build_model(
+    cfg: Mapping[str, Any], dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu"
+) -> CausalLM:
+    """The model of a config dict, its weights allocated on `device` but not initialised."""
+    cls = model_class(cfg)
+    try:
+        with torch.device("meta"):
+            model = cls(cfg)
+    except KeyError as e:
+        raise ValueError(f"config of model_type {cfg.get('model_type')!r} lacks the field {e.args[0]!r}") from e
+    return model.to(resolve_dtype(dtype)).to_empty(device=device)
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu") -> CausalLM:
+    """Build the model of a Hugging Face folder (config.json + safetensors) and load its weights."""
+    folder = Path(path).parent if Path(path).is_file() else Path(path)
+    model = build_model(load_hf_config(folder), dtype, device)
+    load_weights(model, folder)
+    return model.eval().requires_grad_(False)

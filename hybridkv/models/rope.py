@@ -1,0 +1,81 @@
+"""Rotary position embeddings: inverse frequencies for the RoPE types our models use, and their application.
+
+Frequencies follow transformers' `modeling_rope_utils` (computed in float32 on the CPU, cos/sin cast to the
+activation dtype), so logits match it in every dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+ROPE_TYPES = ("default", "linear", "llama3", "proportional")
+
+
+def rope_parameters(cfg: Mapping[str, Any], default_theta: float = 10_000.0) -> dict[str, Any]:
+    """One flat dict of RoPE parameters, from `rope_parameters` (transformers >= 5) or the older
+    `rope_theta` + `rope_scaling` fields."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
+    if params["rope_type"] == "llama3":
+        params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    return params
+
+
+def inv_freq(params: Mapping[str, Any], head_dim: int) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, on the CPU."""
+    rope_type, base = params["rope_type"], params["rope_theta"]
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    even = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    if rope_type == "proportional":
+        # Only the first `partial_rotary_factor` of the angles rotate; the rest get frequency 0 (cos 1, sin 0).
+        # The exponent divides by the whole head_dim, not by the rotated part.
+        rotated = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        freq = torch.zeros(head_dim // 2, device="cpu")
+        freq[:rotated] = 1.0 / (base ** (even[:rotated] / head_dim))
+        return freq / params.get("factor", 1.0)
+    freq = 1.0 / (base ** (even / head_dim))
+    if rope_type == "linear":
+        return freq / params["factor"]
+    if rope_type == "llama3":
+        return _llama3(freq, params)
+    return freq
+
+
+def _llama3(freq: torch.Tensor, params: Mapping[str, Any]) -> torch.Tensor:
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / freq
+    scaled = torch.where(wavelen > old_len / low, freq / factor, freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary:
+    """The inverse frequencies of one RoPE; cos/sin for a batch of positions. A plain object, not a module:
+    building a model on the meta device or casting it leaves the float32 frequencies alone."""
+
+    def __init__(self, params: Mapping[str, Any], head_dim: int) -> None:
+        self.freq = inv_freq(params, head_dim)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] -> cos, sin [N, head_dim]."""
+        if self.freq.device != positions.device:
+            self.freq = self.freq.to(positions.device)
+        angles = positions[:, None].float() * self.freq[None, :]
+        emb = torch.cat((angles, angles), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, head_dim]; dimension i rotates with i + head_dim/2 ("rotate half")."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,1 @@
+"""ModelRunner: a scheduled batch -> tensors -> paged attention through the model -> sampled tokens."""

@@ -1,0 +1,40 @@
+"""ModelRunner: one SchedulerOutput -> flat input tensors and per-group metadata -> model -> logits."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridkv.engine.output import SchedulerOutput
+from hybridkv.kv.memory import KVCacheMemory
+from hybridkv.kv.plan import KVPlan
+from hybridkv.models.base import CausalLM
+from hybridkv.runner.attention import GroupMetadata, PagedAttention, StepIndex
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, plan: KVPlan, device: torch.device) -> None:
+        self.model = model
+        self.plan = plan
+        self.device = device
+        self.memory = KVCacheMemory(plan, device)
+        self.layer_group = {layer: plan.group_of(layer).group_id for layer in range(plan.num_layers)}
+
+    @torch.inference_mode()
+    def run(self, output: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
+        """Run every scheduled chunk; return the ids of requests to sample and their logits [M, vocab]."""
+        chunks = output.chunks
+        step = StepIndex.build([c.start for c in chunks], [len(c.token_ids) for c in chunks], self.device)
+        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+        metadata = [
+            GroupMetadata.build(
+                step, [c.block_tables[g.group_id] for c in chunks], g.block_size, g.sliding_window, self.device
+            )
+            for g in self.plan.groups
+        ]
+        attn = PagedAttention(self.memory.views, self.layer_group, metadata, step)
+        positions = step.positions.to(self.device)
+        hidden = self.model(input_ids, positions, attn)
+        ends = torch.tensor(step.lengths).cumsum(0) - 1
+        sampled = [i for i, c in enumerate(chunks) if c.sample]
+        logits = self.model.compute_logits(hidden[ends[sampled].to(self.device)])
+        return [chunks[i].request_id for i in sampled], logits

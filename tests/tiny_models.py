@@ -1,0 +1,118 @@
+"""Tiny random-weight checkpoints built with transformers and saved to a folder, for parity tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+S, F = "sliding_attention", "full_attention"
+
+
+def gemma4_config(k_eq_v: bool = False, **kw):
+    from transformers import Gemma4TextConfig
+
+    args = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        sliding_window=16,
+        layer_types=[S, S, S, F, S, S, S, F],
+        num_kv_shared_layers=3,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=512,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=1024,
+        attention_k_eq_v=k_eq_v,
+    )
+    if k_eq_v:
+        args["num_global_key_value_heads"] = 1
+    return Gemma4TextConfig(**(args | kw))
+
+
+def llama_config(**kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        **(
+            dict(
+                vocab_size=512,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=1024,
+                rope_theta=10000.0,
+            )
+            | kw
+        )
+    )
+
+
+def qwen3_config(**kw):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        **(
+            dict(
+                vocab_size=512,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                max_position_embeddings=1024,
+            )
+            | kw
+        )
+    )
+
+
+def mistral_sliding_config(**kw):
+    from transformers import MistralConfig
+
+    return MistralConfig(
+        **(
+            dict(
+                vocab_size=512,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                sliding_window=16,
+                max_position_embeddings=1024,
+            )
+            | kw
+        )
+    )
+
+
+BUILDERS = {
+    "mistral_sliding": mistral_sliding_config,
+    "gemma4": gemma4_config,
+    "gemma4_k_eq_v": lambda: gemma4_config(k_eq_v=True),
+    "llama": llama_config,
+    "qwen3": qwen3_config,
+}
+
+
+def build(name: str, folder: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(BUILDERS[name](), dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny; widen it so logits are not near-ties
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    return folder
