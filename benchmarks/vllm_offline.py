@@ -19,4 +19,4 @@ if __name__ == "__main__":
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0, detokenize=False), use_tqdm=False)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
-    print(len(batch) * new / (time.perf_counter() - start))
+    print(f"RESULT tok/s {len(batch) * new / (time.perf_counter() - start)}", flush=True)

@@ -34,6 +34,10 @@ class CausalLM(nn.Module):
         """input_ids, positions: [N] (positions restart at each request's offset). Returns hidden [N, hidden]."""
         raise NotImplementedError
 
+    def fuse_projections(self) -> None:
+        """Optional: merge projections that read the same input (q/k/v, gate/up) into one matmul each.
+        Called once after the weights are loaded; the default does nothing."""
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[M, hidden] -> [M, vocab] (final norm already applied by forward; softcapping etc. applied here)."""
         raise NotImplementedError

@@ -19,6 +19,7 @@ from torch import nn
 
 from hybridkv.kv.model_kv import MODEL_READERS, LayerAttn
 from hybridkv.models.base import AttentionFn, CausalLM
+from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.llama import ACTIVATIONS
 from hybridkv.models.rope import Rotary, apply_rope
 
@@ -78,16 +79,25 @@ class Attention(nn.Module):
             self.v_proj = None if k_eq_v else nn.Linear(hidden, shape.num_kv_heads * hd, bias=bias)
             self.k_norm = RMSNorm(hd, eps)
             self.v_norm = RMSNorm(hd, eps, with_scale=False)
+        self.qkv: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.qkv = FusedLinear([p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None])
 
     def forward(
         self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(n, -1, self.head_dim)), cos, sin)
+        if self.qkv is not None:
+            q_raw, *kv_raw = self.qkv(x)
+        else:
+            q_raw = self.q_proj(x)
+            kv_raw = [p(x) for p in (self.k_proj, self.v_proj) if p is not None]
+        q = apply_rope(self.q_norm(q_raw.reshape(n, -1, self.head_dim)), cos, sin)
         k = v = None
-        if self.k_proj is not None:
-            k_raw = self.k_proj(x).view(n, -1, self.head_dim)
-            v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(n, -1, self.head_dim)
+        if kv_raw:
+            k_raw = kv_raw[0].reshape(n, -1, self.head_dim)
+            v_raw = kv_raw[1].reshape(n, -1, self.head_dim) if len(kv_raw) > 1 else k_raw  # attention_k_eq_v
             k, v = apply_rope(self.k_norm(k_raw), cos, sin), self.v_norm(v_raw)
         return self.o_proj(attn(layer, q, k, v, 1.0).reshape(n, -1))
 
@@ -99,9 +109,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -193,6 +208,11 @@ class Gemma4ForCausalLM(CausalLM):
         context = self.per_layer_model_projection(x) * x.shape[-1] ** -0.5
         context = self.per_layer_projection_norm(context.view(shape))
         return (context + token) * 2**-0.5
+
+    def fuse_projections(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)

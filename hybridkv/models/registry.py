@@ -49,4 +49,6 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16", device: 
     folder = Path(path).parent if Path(path).is_file() else Path(path)
     model = build_model(load_hf_config(folder), dtype, device)
     load_weights(model, folder)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    model.fuse_projections()
+    return model

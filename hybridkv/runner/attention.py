@@ -74,12 +74,9 @@ class GroupMetadata:
         if window is not None:
             first = [max(0, s - window + 1) // block_size for s in step.starts]
         span = max(len(t) - f for t, f in zip(tables, first))
-        full = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.long)
-        gathered = torch.zeros(len(tables), span, dtype=torch.long)
-        for i, (t, f) in enumerate(zip(tables, first)):
-            full[i, : len(t)] = torch.tensor(t)
-            gathered[i, : len(t) - f] = full[i, f : len(t)]
-        block_ids = full[step.rows, step.positions // block_size]
+        gathered = torch.tensor([t[f:] + [0] * (span - len(t) + f) for t, f in zip(tables, first)])
+        # Each new token's block: its table entry, counted from the gathered window's first block.
+        block_ids = gathered[step.rows, step.positions // block_size - torch.tensor(first)[step.rows]]
         first_pos = (torch.tensor(first) * block_size).view(-1, 1, 1)
         k_pos = first_pos + torch.arange(span * block_size).view(1, 1, -1)  # [B, 1, Lk] absolute positions
         q_pos = step.q_pos.unsqueeze(-1)  # [B, Lq, 1]
@@ -109,6 +106,8 @@ class PagedAttention:
         self.layer_group = layer_group
         self.metadata = metadata
         self.step = step
+        # Gathered K/V per cache, valid for the rest of the step once its owner wrote: consumers reuse them.
+        self._gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float
@@ -116,13 +115,11 @@ class PagedAttention:
         cache = self.views[layer]
         meta = self.metadata[self.layer_group[layer]]
         if k is not None and v is not None:
-            cache[meta.block_ids, 0, meta.offsets] = k.to(cache.dtype)
-            cache[meta.block_ids, 1, meta.offsets] = v.to(cache.dtype)
+            cache[meta.block_ids, :, meta.offsets] = torch.stack((k, v), 1).to(cache.dtype)  # [N, 2, Hk, D]
+            self._gathered.pop(id(cache), None)
         step = self.step
-        blocks = cache[meta.tables]  # [B, nb, 2, bs, kv_heads, D]
-        b, nb, _, bs, hk, d = blocks.shape
-        keys = blocks[:, :, 0].reshape(b, nb * bs, hk, d).transpose(1, 2)  # [B, Hk, Lk, D]
-        values = blocks[:, :, 1].reshape(b, nb * bs, hk, d).transpose(1, 2)
+        keys, values = self._gathered.get(id(cache)) or self._gather(cache, meta)
+        hk = keys.shape[1]
         hq = q.shape[1]
         if step.max_q == 1:  # decode only: one query per request, no padding
             qp = q.unsqueeze(1)
@@ -140,3 +137,12 @@ class PagedAttention:
         if step.max_q == 1:
             return out[:, :, 0]
         return out.transpose(1, 2)[step.req_index, step.q_index]
+
+    def _gather(self, cache: torch.Tensor, meta: GroupMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks of `meta.tables` as keys and values [B, Hk, Lk, D]."""
+        b, nb = meta.tables.shape
+        _, _, bs, hk, d = cache.shape
+        keys = cache[:, 0][meta.tables].view(b, nb * bs, hk, d).transpose(1, 2)
+        values = cache[:, 1][meta.tables].view(b, nb * bs, hk, d).transpose(1, 2)
+        self._gathered[id(cache)] = (keys, values)
+        return keys, values
