@@ -1,3 +1,25 @@
 """hybridkv: a small LLM-serving engine whose core is a KV cache system for hybrid models."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams"]
+
+if TYPE_CHECKING:
+    from hybridkv.engine.llm import LLM
+    from hybridkv.engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `hybridkv plan` and the KV core never pay for importing the engine.
+    if name == "LLM":
+        from hybridkv.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from hybridkv.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

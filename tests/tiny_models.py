@@ -105,6 +105,29 @@ BUILDERS = {
 }
 
 
+def add_tokenizer(folder: Path, vocab_size: int = 512) -> Path:
+    """A byte-level BPE with the model's vocab size, saved as tokenizer.json next to the weights."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<eos>", "<bos>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnop") for _ in range(rng.randrange(2, 7))) for _ in range(3000)]
+    lines = ["the quick brown fox jumps over the lazy dog", "hello world", " ".join(words)]
+    tok.train_from_iterator(lines, trainer)
+    assert tok.get_vocab_size() == vocab_size
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
 def build(name: str, folder: Path, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM
 

@@ -1,0 +1,105 @@
+"""The user-facing surface: `from hybridkv import LLM, SamplingParams`, text prompts, stop strings, seeds, the
+`generate` CLI, and bad input."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from hybridkv import LLM, SamplingParams
+from tests.tiny_models import add_tokenizer, build
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return add_tokenizer(build("gemma4", tmp_path_factory.mktemp("gemma4")))
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    return LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", max_model_len=256)
+
+
+def test_text_and_token_prompts_agree(llm):
+    ids = llm.engine.tokenize("hello world")
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    by_text, by_ids = llm.generate(["hello world", ids], greedy)
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    assert by_text.prompt == "hello world" and by_text.prompt_token_ids == ids
+    assert by_text.outputs[0].text == llm.engine.tokenizer.decode(by_text.outputs[0].token_ids)
+    assert by_text.outputs[0].finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(llm):
+    def run(seed):
+        p = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=seed, ignore_eos=True)
+        return llm.generate("the quick", p)[0].outputs[0].token_ids
+
+    assert run(1) == run(1)
+    assert len({tuple(run(s)) for s in range(4)}) > 1
+
+
+def test_stop_string_ends_and_trims_the_text(llm):
+    free = llm.generate("the lazy", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].outputs[0]
+    stop = free.text[3:6]
+    assert stop
+    out = llm.generate("the lazy", SamplingParams(max_tokens=20, temperature=0, stop=[stop], ignore_eos=True))
+    o = out[0].outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == stop and stop not in o.text
+    assert free.text.startswith(o.text)
+
+
+def test_bad_input_is_a_clear_error_and_the_engine_keeps_serving(llm):
+    with pytest.raises(ValueError, match="max_model_len is 256"):
+        llm.generate([list(range(4, 300))], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
+        llm.generate(["a", "b"], [SamplingParams()])
+    assert len(llm.generate("hello", SamplingParams(max_tokens=3, temperature=0))[0].outputs[0].token_ids) <= 3
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.pool.num_used_blocks == 0
+
+
+def test_unknown_model_folder_and_options_are_clear_errors(tmp_path, folder):
+    with pytest.raises(ValueError, match=r"no config\.json"):
+        LLM(str(tmp_path))
+    with pytest.raises(ValueError, match="kv_layout must be one of"):
+        LLM(str(folder), kv_layout="diagonal")
+    with pytest.raises(ValueError, match="enable_cross_layers_blocks must be true or false"):
+        LLM(str(folder), kv_connector_extra_config={"enable_cross_layers_blocks": "maybe"})
+
+
+def test_generate_cli_streams_text(folder):
+    r = subprocess.run(
+        [
+            "hybridkv",
+            "generate",
+            "--model",
+            str(folder),
+            "--prompt",
+            "hello world",
+            "--max-tokens",
+            "6",
+            "--threads",
+            "1",
+            "--kv-cache-memory",
+            "16MiB",
+            "--max-model-len",
+            "256",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "tokens in" in r.stderr
+    bad = subprocess.run(
+        ["hybridkv", "generate", "--model", str(folder), "--prompt", "x", "--kv-layout", "zig"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "kv_layout must be one of" in bad.stderr
