@@ -8,100 +8,53 @@ import torch
 
 S, F = "sliding_attention", "full_attention"
 
+# Gemma 4 with both head sizes and KV sharing: layers 5, 6 read layer 4's KV, layer 7 reads layer 3's.
+GEMMA4_TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    sliding_window=16,
+    layer_types=[S, S, S, F, S, S, S, F],
+    num_kv_shared_layers=3,
+    hidden_size_per_layer_input=16,
+    vocab_size_per_layer_input=512,
+    final_logit_softcapping=30.0,
+)
+DENSE_TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 
-def gemma4_config(k_eq_v: bool = False, **kw):
+
+def gemma4_config(k_eq_v: bool = False):
     from transformers import Gemma4TextConfig
 
-    args = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        global_head_dim=32,
-        sliding_window=16,
-        layer_types=[S, S, S, F, S, S, S, F],
-        num_kv_shared_layers=3,
-        hidden_size_per_layer_input=16,
-        vocab_size_per_layer_input=512,
-        final_logit_softcapping=30.0,
-        max_position_embeddings=1024,
-        attention_k_eq_v=k_eq_v,
-    )
-    if k_eq_v:
-        args["num_global_key_value_heads"] = 1
-    return Gemma4TextConfig(**(args | kw))
+    extra = dict(attention_k_eq_v=True, num_global_key_value_heads=1) if k_eq_v else {}
+    return Gemma4TextConfig(**GEMMA4_TINY, max_position_embeddings=1024, **extra)
 
 
-def llama_config(**kw):
-    from transformers import LlamaConfig
+def dense_config(config_class: str, **kw):
+    import transformers
 
-    return LlamaConfig(
-        **(
-            dict(
-                vocab_size=512,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=1024,
-                rope_theta=10000.0,
-            )
-            | kw
-        )
-    )
-
-
-def qwen3_config(**kw):
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        **(
-            dict(
-                vocab_size=512,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                max_position_embeddings=1024,
-            )
-            | kw
-        )
-    )
-
-
-def mistral_sliding_config(**kw):
-    from transformers import MistralConfig
-
-    return MistralConfig(
-        **(
-            dict(
-                vocab_size=512,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                sliding_window=16,
-                max_position_embeddings=1024,
-            )
-            | kw
-        )
-    )
+    return getattr(transformers, config_class)(**(DENSE_TINY | kw))
 
 
 BUILDERS = {
-    "mistral_sliding": mistral_sliding_config,
     "gemma4": gemma4_config,
     "gemma4_k_eq_v": lambda: gemma4_config(k_eq_v=True),
-    "llama": llama_config,
-    "qwen3": qwen3_config,
+    "llama": lambda: dense_config("LlamaConfig", rope_theta=10000.0),
+    "qwen3": lambda: dense_config("Qwen3Config", head_dim=16),
+    "mistral_sliding": lambda: dense_config("MistralConfig", head_dim=16, sliding_window=16),
 }
 
 

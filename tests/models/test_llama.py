@@ -5,18 +5,11 @@ import pytest
 
 from hybridkv.models.registry import load_model
 from tests.models.util import assert_parity, hf_greedy, hf_logits, our_greedy, our_logits, prompt, save_random
+from tests.tiny_models import DENSE_TINY
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+TINY = DENSE_TINY | {"max_position_embeddings": 256}
 LLAMA3_ROPE = dict(
     rope_type="llama3",
     rope_theta=500_000.0,

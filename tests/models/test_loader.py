@@ -9,13 +9,11 @@ from safetensors.torch import load_file, save_file
 from hybridkv.models.reference_attention import ReferenceAttention
 from hybridkv.models.registry import MODELS, load_model
 from tests.models.util import GEMMA4_TINY, assert_parity, hf_logits, our_logits, prompt, save_random
+from tests.tiny_models import DENSE_TINY
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA_TINY = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2,
-)  # fmt: skip
+LLAMA_TINY = DENSE_TINY | {"num_hidden_layers": 2}
 
 
 @pytest.fixture(scope="module")

@@ -13,26 +13,9 @@ import torch
 
 from hybridkv.models.base import CausalLM
 from hybridkv.models.reference_attention import ReferenceAttention
+from tests.tiny_models import GEMMA4_TINY as GEMMA4_TINY
 
 TOL = 1e-4
-S, F = "sliding_attention", "full_attention"
-
-GEMMA4_TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=8,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    global_head_dim=32,
-    sliding_window=16,
-    layer_types=[S, S, S, F, S, S, S, F],
-    num_kv_shared_layers=3,
-    hidden_size_per_layer_input=16,
-    vocab_size_per_layer_input=512,
-    final_logit_softcapping=30.0,
-)
 
 
 @torch.no_grad()
