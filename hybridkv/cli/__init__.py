@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import typer
 
+from hybridkv.cli.eval import evaluate
 from hybridkv.cli.generate import generate
 from hybridkv.cli.plan import plan
+from hybridkv.cli.serve import serve
 
 app = typer.Typer(
     name="hybridkv",
@@ -22,6 +24,8 @@ def main() -> None:
 
 
 app.command(help="Generate text from prompts, streaming tokens to the terminal.")(generate)
+app.command("eval", help="Score a held-out set of prompts and answers, greedy, in-process.")(evaluate)
+app.command(help="Serve the OpenAI-compatible API (completions, chat, streaming, metrics).")(serve)
 app.command(help="Plan the KV cache of a model: groups, layout, blocks and how many requests fit.")(plan)
 
 if __name__ == "__main__":

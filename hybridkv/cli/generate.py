@@ -13,7 +13,7 @@ from hybridkv.kv.layout import KV_LAYOUTS
 
 def generate(
     prompt: Annotated[list[str], typer.Option(help="prompt text (repeat for a batch)")],
-    model: Annotated[str, typer.Option(help="model folder: config.json, safetensors, tokenizer")],
+    model: Annotated[str | None, typer.Option(help="model folder (default: the embedded model)")] = None,
     max_tokens: Annotated[int, typer.Option(help="tokens to generate per prompt")] = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
@@ -27,7 +27,7 @@ def generate(
 ) -> None:
     import torch
 
-    from hybridkv.engine.config import EngineConfig
+    from hybridkv.engine.config import DEFAULT_MODEL_DIR, EngineConfig
     from hybridkv.engine.engine import LLMEngine
     from hybridkv.engine.sampling_params import SamplingParams
 
@@ -36,7 +36,7 @@ def generate(
     try:
         engine = LLMEngine(
             EngineConfig(
-                model=model,
+                model=model or str(DEFAULT_MODEL_DIR),
                 dtype=dtype,
                 kv_layout=kv_layout,
                 kv_cache_memory=kv_cache_memory,

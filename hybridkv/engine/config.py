@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hybridkv.kv.layout import KV_LAYOUTS
 from hybridkv.units import parse_bytes
 
+DEFAULT_MODEL_DIR = Path(__file__).parents[1] / "assets" / "default-model"
+
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
+    model: str = str(DEFAULT_MODEL_DIR)  # the embedded model
     dtype: str = "float32"
     device: str | None = None  # None: cuda when available, else cpu
     kv_layout: str = "auto"

@@ -52,6 +52,7 @@ class LLMEngine:
         except ValueError:
             self.tokenizer = None
         self.eos_token_ids = eos_token_ids(config.model, hf)
+        self.vocab_size: int = text["vocab_size"]
         self._ids = itertools.count()
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

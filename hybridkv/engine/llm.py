@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.config import DEFAULT_MODEL_DIR, EngineConfig
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.engine.sampling_params import SamplingParams
 
@@ -30,8 +30,9 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str, **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`model`: a Hugging Face model folder; None runs the embedded default model."""
+        self.engine = LLMEngine(EngineConfig(model=model or str(DEFAULT_MODEL_DIR), **kwargs))
 
     def generate(
         self,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -103,3 +104,21 @@ def test_generate_cli_streams_text(folder):
         timeout=120,
     )
     assert bad.returncode == 2 and "kv_layout must be one of" in bad.stderr
+
+
+def test_eval_scores_exact_matches(folder, llm, tmp_path):
+    prompts = ["hello world", "the quick brown", "lazy dog"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, stop=["\n"]))
+    right = [{"prompt": p, "answer": o.outputs[0].text} for p, o in zip(prompts, outs)]
+    wrong = [{"prompt": p, "answer": o.outputs[0].text + "x"} for p, o in zip(prompts, outs)]
+    for items, expect in ((right, "accuracy 1.0000 (3/3)"), (wrong + right[:1], "accuracy 0.2500 (1/4)")):
+        data = tmp_path / "set.jsonl"
+        data.write_text("".join(json.dumps(it) + "\n" for it in items))
+        r = subprocess.run(
+            ["hybridkv", "eval", "--model", str(folder), "--data", str(data), "--threads", "1"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        assert expect in r.stdout

@@ -1,0 +1,52 @@
+"""`hybridkv eval`: score a held-out set (prompt/answer jsonl) in-process, greedy, with a progress bar."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hybridkv.kv.layout import KV_LAYOUTS
+
+
+def evaluate(
+    model: Annotated[str | None, typer.Option(help="model folder (default: the embedded model)")] = None,
+    data: Annotated[
+        str | None, typer.Option(help="jsonl of {prompt, answer} (default: the model's heldout.jsonl)")
+    ] = None,
+    limit: Annotated[int | None, typer.Option(help="score only the first N items")] = None,
+    batch_size: Annotated[int, typer.Option(help="prompts submitted at once")] = 64,
+    max_tokens: Annotated[int, typer.Option()] = 8,
+    kv_layout: Annotated[str, typer.Option(help=" | ".join(KV_LAYOUTS))] = "auto",
+    enable_prefix_caching: Annotated[bool, typer.Option()] = True,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+) -> None:
+    import torch
+    from rich.progress import Progress
+
+    from hybridkv.engine.config import DEFAULT_MODEL_DIR
+    from hybridkv.engine.llm import LLM
+    from hybridkv.engine.sampling_params import SamplingParams
+    from hybridkv.tasks.kv_recall import read_jsonl, score
+
+    if threads:
+        torch.set_num_threads(threads)
+    folder = Path(model) if model else DEFAULT_MODEL_DIR
+    path = Path(data) if data else folder / "heldout.jsonl"
+    try:
+        items = read_jsonl(path)[:limit]
+        llm = LLM(str(folder), kv_layout=kv_layout, enable_prefix_caching=enable_prefix_caching)
+    except (OSError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, stop=["\n"])
+    correct = 0
+    with Progress() as progress:
+        task = progress.add_task(f"scoring {path.name}", total=len(items))
+        for start in range(0, len(items), batch_size):
+            batch = items[start : start + batch_size]
+            outs = llm.generate([it["prompt"] for it in batch], params)
+            correct += sum(score(o.outputs[0].text, it["answer"]) for o, it in zip(outs, batch))
+            progress.advance(task, len(batch))
+    typer.echo(f"accuracy {correct / len(items):.4f} ({correct}/{len(items)}) layout={llm.engine.plan.layout}")

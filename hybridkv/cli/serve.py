@@ -1,0 +1,55 @@
+"""`hybridkv serve`: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from hybridkv.kv.layout import KV_LAYOUTS
+
+
+def serve(
+    model: Annotated[str | None, typer.Option(help="model folder (default: the embedded model)")] = None,
+    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+    served_model_name: Annotated[str | None, typer.Option(help="the name clients use (default: the folder's)")] = None,
+    api_key: Annotated[
+        str | None, typer.Option(help="require 'Authorization: Bearer KEY' on every route but /health")
+    ] = None,
+    dtype: Annotated[str, typer.Option()] = "float32",
+    kv_layout: Annotated[str, typer.Option(help=" | ".join(KV_LAYOUTS))] = "auto",
+    kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget, e.g. 1GiB")] = "1GiB",
+    max_model_len: Annotated[int | None, typer.Option()] = None,
+    max_num_seqs: Annotated[int, typer.Option()] = 128,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+) -> None:
+    from pathlib import Path
+
+    import torch
+    import uvicorn
+
+    from hybridkv.engine.config import DEFAULT_MODEL_DIR, EngineConfig
+    from hybridkv.engine.engine import LLMEngine
+    from hybridkv.serve.api import build_app
+    from hybridkv.serve.async_engine import AsyncEngine
+
+    if threads:
+        torch.set_num_threads(threads)
+    folder = model or str(DEFAULT_MODEL_DIR)
+    try:
+        engine = LLMEngine(
+            EngineConfig(
+                model=folder,
+                dtype=dtype,
+                kv_layout=kv_layout,
+                kv_cache_memory=kv_cache_memory,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+            )
+        )
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    app = build_app(AsyncEngine(engine), served_model_name or Path(folder).name, api_key)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

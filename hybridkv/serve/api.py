@@ -1,0 +1,143 @@
+"""OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health,
+/metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from hybridkv.serve.async_engine import AsyncEngine, Update
+from hybridkv.serve.chat import render_chat
+from hybridkv.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
+
+DEFAULT_MAX_TOKENS = 16
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="hybridkv")
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        authorized = request.headers.get("authorization") == f"Bearer {api_key}"
+        if api_key and request.url.path != "/health" and not authorized:
+            return _error(APIError(401, "missing or wrong API key", "authentication_error"))
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return _error(e)
+
+    async def body(request: Request) -> Any:
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from e
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}", "not_found_error")
+
+    def prompt_ids(prompt: str | list[int]) -> list[int]:
+        try:
+            return engine.check_prompt(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from e
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "hybridkv"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(engine.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await body(request))
+        check_model(req.model)
+        if req.echo or req.logprobs:
+            raise APIError(400, "echo and logprobs are not supported yet", param="logprobs")
+        batch = isinstance(req.prompt, list) and bool(req.prompt) and isinstance(req.prompt[0], str)
+        prompts = req.prompt if batch else [req.prompt]
+        if req.stream and len(prompts) > 1:
+            raise APIError(400, "streaming takes one prompt", param="prompt")
+        ids = [prompt_ids(p) for p in prompts]
+        params = req.sampling_params(DEFAULT_MAX_TOKENS)
+        meta = _meta("cmpl", "text_completion", model_name)
+        if req.stream:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return _sse(engine.generate(ids[0], params), meta, chat=False, usage=usage)
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
+        for i, p in enumerate(ids):
+            text, last = await _collect(engine.generate(p, params))
+            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": last.finish_reason})
+            usage["prompt_tokens"] += last.num_prompt_tokens
+            usage["completion_tokens"] += last.num_output_tokens
+        return meta | {"choices": choices, "usage": _usage(usage)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = parse(ChatRequest, await body(request))
+        check_model(req.model)
+        ids = prompt_ids(render_chat(engine.engine.config.model, [m.model_dump() for m in req.messages]))
+        params = req.sampling_params(DEFAULT_MAX_TOKENS)
+        meta = _meta("chatcmpl", "chat.completion", model_name)
+        if req.stream:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            chunk_meta = meta | {"object": "chat.completion.chunk"}
+            return _sse(engine.generate(ids, params), chunk_meta, chat=True, usage=usage)
+        text, last = await _collect(engine.generate(ids, params))
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason}
+        counts = {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens}
+        return meta | {"choices": [choice], "usage": _usage(counts)}
+
+    return app
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _meta(prefix: str, obj: str, model: str) -> dict[str, Any]:
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()), "model": model}
+
+
+def _usage(counts: dict[str, int]) -> dict[str, int]:
+    return counts | {"total_tokens": counts["prompt_tokens"] + counts["completion_tokens"]}
+
+
+async def _collect(updates: AsyncIterator[Update]) -> tuple[str, Update]:
+    text, last = "", None
+    async for u in updates:
+        text, last = text + u.text, u
+    assert last is not None
+    return text, last
+
+
+def _sse(updates: AsyncIterator[Update], meta: dict, chat: bool, usage: bool) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        first = True
+        async for u in updates:
+            if chat:
+                delta = {"content": u.text} | ({"role": "assistant"} if first else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": u.finish_reason}
+            else:
+                choice = {"index": 0, "text": u.text, "logprobs": None, "finish_reason": u.finish_reason}
+            first = False
+            yield f"data: {json.dumps(meta | {'choices': [choice]})}\n\n"
+            if u.finished and usage:
+                counts = {"prompt_tokens": u.num_prompt_tokens, "completion_tokens": u.num_output_tokens}
+                yield f"data: {json.dumps(meta | {'choices': [], 'usage': _usage(counts)})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

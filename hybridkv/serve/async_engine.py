@@ -1,0 +1,170 @@
+"""AsyncEngine: LLMEngine on one background thread, requests and token streams on the asyncio side.
+
+Only the engine thread touches the engine. The event loop posts commands (add, abort) to an inbox and wakes
+the thread; the thread sleeps on an Event when it has nothing to do, so an idle server uses no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from hybridkv.engine.engine import LLMEngine
+from hybridkv.engine.request import Request
+from hybridkv.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Update:
+    """What one request produced since the last update."""
+
+    token_ids: list[int]  # new tokens
+    text: str  # new text
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Update | BaseException]
+    request: Request | None = None
+    sent_tokens: int = 0
+    sent_text: str = ""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def check_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Tokenize and validate on the caller's side, so bad requests fail before they reach the engine."""
+        ids = self.engine.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        limit = self.engine.scheduler.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this server's max_model_len is {limit}")
+        vocab = self.engine.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Update]:
+        """Stream a request's updates. Leaving the loop early (a client that went away) aborts it."""
+        request_id = f"cmpl-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._post(("add", request_id, prompt_ids, params))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._post(("abort", request_id))
+
+    def metrics_text(self) -> str:
+        """Prometheus text format. Read from the event loop: plain counters, a step may be mid-way."""
+        e = self.engine
+        lines = [
+            ("hybridkv_requests_running", len(e.scheduler.running)),
+            ("hybridkv_requests_waiting", len(e.scheduler.waiting)),
+            ("hybridkv_kv_blocks_used", e.kv.pool.num_used_blocks),
+            ("hybridkv_kv_blocks_free", e.kv.pool.num_free_blocks),
+            ("hybridkv_preemptions_total", e.scheduler.num_preemptions),
+        ]
+        return "".join(f"# TYPE {name} gauge\n{name} {value}\n" for name, value in lines)
+
+    def _post(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                self.engine.step()
+            except Exception as e:  # a bug in a step must not take the server down silently
+                logger.exception("engine step failed; failing its requests")
+                for rid in list(self._streams):
+                    self.engine.abort(rid)
+                    self._send(rid, e)
+                continue
+            self._publish()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, rid, ids, params = command
+                if rid not in self._streams:
+                    continue  # the client left before its request started
+                try:
+                    self._streams[rid].request = self.engine.add_request(ids, params, request_id=rid)
+                except ValueError as e:
+                    self._send(rid, e)
+            else:
+                rid = command[1]
+                self.engine.abort(rid)
+                self._streams.pop(rid, None)
+
+    def _publish(self) -> None:
+        for rid, s in list(self._streams.items()):
+            req = s.request
+            if req is None or (len(req.output_token_ids) == s.sent_tokens and not req.status.finished):
+                continue
+            text = self.engine.output_text(req)
+            new_ids = req.output_token_ids[s.sent_tokens :]
+            finished = req.status.finished
+            update = Update(
+                new_ids,
+                text[len(s.sent_text) :],
+                finished,
+                req.status.value if finished else None,
+                req.num_prompt_tokens,
+                len(req.output_token_ids),
+            )
+            s.sent_tokens, s.sent_text = len(req.output_token_ids), text
+            self._send(rid, update)
+            if finished:
+                self._streams.pop(rid, None)
+
+    def _send(self, rid: str, item: Update | BaseException) -> None:
+        s = self._streams.get(rid)
+        if s is not None:
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, item)
+        if isinstance(item, BaseException):
+            self._streams.pop(rid, None)

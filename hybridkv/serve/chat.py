@@ -1,0 +1,30 @@
+"""Chat prompts: the tokenizer's own chat template (tokenizer_config.json) when it has one, else a plain one."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+from hybridkv.serve.protocol import APIError
+
+
+@cache
+def _template(model_dir: str) -> tuple[str | None, dict]:
+    path = Path(model_dir) / "tokenizer_config.json"
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    template = cfg.get("chat_template")
+    specials = {k: cfg.get(k) or "" for k in ("bos_token", "eos_token")}
+    return (template if isinstance(template, str) else None), specials
+
+
+def render_chat(model_dir: str, messages: list[dict[str, str]]) -> str:
+    template, specials = _template(model_dir)
+    if template is None:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    try:
+        import jinja2
+    except ImportError as e:  # pragma: no cover - jinja2 ships with the serving extra
+        raise APIError(500, "this model has a chat template but jinja2 is not installed", "server_error") from e
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True, **specials)

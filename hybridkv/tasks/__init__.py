@@ -1,0 +1,1 @@
+"""Synthetic tasks with exactly scorable answers (the default model is trained on them)."""

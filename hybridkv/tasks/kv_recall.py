@@ -1,0 +1,95 @@
+"""kv_recall: recall the value bound to a key, many sliding windows back.
+
+An item is a list of `key: value` bindings with a few distractor notes mixed in, then questions:
+
+    Remember these codes.
+    river: 042
+    note: lamp is close.
+    lake: 7319
+    ...
+    Q: what is river?
+    A: 042
+
+Keys are distinct words; values are 2-4 digits (leading zeros allowed). Notes mention words, some of them
+bound keys, but never carry digits. A prompt ends right after `A:`; its answer is ` <value>` and a newline ends
+it (the model's generation config stops on that newline or on EOS). A prediction is right when its text up to
+the first newline, stripped, equals the value (`score`). Held-out items ask one question; training items ask
+1-6, each answered before the next.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+KEYS = (
+    "ant", "ape", "arm", "axe", "bag", "bat", "bed", "bee", "bow", "box", "bus", "cap", "car", "cat", "cow", "cup",
+    "dog", "ear", "egg", "elk", "elm", "eye", "fan", "fig", "fox", "gem", "hat", "hen", "hut", "ink", "jam", "jar",
+    "jet", "kit", "leg", "log", "map", "mat", "mop", "mud", "net", "nut", "oak", "orb", "owl", "pan", "pen", "pig",
+    "pin", "pot", "ram", "rat", "rod", "rug", "saw", "sea", "sky", "sun", "tea", "tin", "toy", "van", "web", "yak",
+)  # fmt: skip
+NOTE_WORDS = ("old", "new", "red", "far", "wet", "hot")
+HEADER = "Remember these codes."
+BINDINGS = (4, 10)  # bindings per context, inclusive; at most 10: values start with distinct digits
+NOTES = (8, 20)  # distractor notes per context
+
+
+def _values(rng: random.Random, n: int) -> list[str]:
+    """n values of 2-4 digits, no two starting with the same digit."""
+    return [
+        str(d) + "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 3))) for d in rng.sample(range(10), n)
+    ]
+
+
+def make_context(
+    rng: random.Random, bindings: tuple[int, int] = BINDINGS, notes: tuple[int, int] = NOTES
+) -> tuple[str, dict[str, str]]:
+    """A context of bindings with distractor notes mixed in, and its key -> value map."""
+    n = rng.randint(*bindings)
+    values = dict(zip(rng.sample(KEYS, n), _values(rng, n)))
+    lines = [f"- {k} {v}" for k, v in values.items()]
+    for _ in range(rng.randint(*notes)):
+        lines.insert(rng.randint(0, len(lines)), f"- note: {rng.choice(KEYS)} is {rng.choice(NOTE_WORDS)}.")
+    return "\n".join([HEADER, *lines, ""]), values
+
+
+def question(key: str) -> str:
+    return f"Q: what is {key}?\nA: {key}"
+
+
+def make_item(rng: random.Random) -> dict[str, str]:
+    """A held-out item: one question, never about the last binding; its value is 16+ tokens back."""
+    context, values = make_context(rng)
+    key = rng.choice(list(values)[:-1])
+    return {"prompt": context + question(key), "answer": " " + values[key]}
+
+
+def make_training_text(
+    rng: random.Random, bindings: tuple[int, int] = BINDINGS, notes: tuple[int, int] = NOTES, max_queries: int = 6
+) -> tuple[str, list[tuple[int, int]]]:
+    """A training text with 1..max_queries questions, and the character spans of its answers (newline included)."""
+    text, values = make_context(rng, bindings, notes)
+    spans = []
+    for key in rng.sample(list(values), rng.randint(1, min(max_queries, len(values)))):
+        text += question(key)
+        answer = " " + values[key] + "\n"
+        spans.append((len(text), len(text) + len(answer)))
+        text += answer
+    return text, spans
+
+
+def score(prediction: str, answer: str) -> bool:
+    """Exact match of the generated text up to its first newline, both sides stripped."""
+    return prediction.split("\n", 1)[0].strip() == answer.strip()
+
+
+def write_jsonl(path: str | Path, n: int, seed: int) -> None:
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps(make_item(rng)) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, str]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]

@@ -1,0 +1,180 @@
+"""The server as users reach it: a subprocess on a free loopback port, real HTTP clients."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from hybridkv import LLM, SamplingParams
+from tests.tiny_models import add_tokenizer, build
+
+ENGINE_ARGS = ["--kv-cache-memory", "16MiB", "--max-model-len", "256", "--threads", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(folder, *extra: str) -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            "hybridkv",
+            "serve",
+            "--model",
+            str(folder),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            *ENGINE_ARGS,
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not start in 90 s")
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return add_tokenizer(build("gemma4", tmp_path_factory.mktemp("gemma4")))
+
+
+@pytest.fixture(scope="module")
+def url(folder):
+    yield from start_server(folder)
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+
+
+def test_health_and_models(url):
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny"]
+
+
+def test_completions_equal_offline_generate(url, folder):
+    prompts = ["hello world", "the quick brown fox jumps over the lazy dog " * 3]
+    offline = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", max_model_len=256).generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
+    for p, o in zip(prompts, offline):
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"] == o.outputs[0].text
+        assert body["usage"]["completion_tokens"] == 12 and body["usage"]["prompt_tokens"] == len(o.prompt_token_ids)
+        # Streaming gives the same text, then a usage chunk, then [DONE].
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            timeout=60,
+            json={
+                "prompt": p,
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == o.outputs[0].text
+        assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_chat_with_the_openai_client(url):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    messages = [{"role": "user", "content": "hello"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens <= 8
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == full.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "text"),
+    [
+        ("{not json", 400, "not valid JSON"),
+        ({"model": "gpt-9", "prompt": "hi"}, 404, "does not exist"),
+        ({"prompt": "word " * 400}, 400, "max_model_len is 256"),
+        ({"prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+        ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+        ({"prompt": "hi", "n": 3}, 400, "n"),
+        ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+        ({"prompt": [1, 2, 99999]}, 400, "token ids"),
+        ({"prompt": ""}, 400, "empty"),
+        ({}, 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_a_4xx_with_an_openai_error_body(url, payload, status, text):
+    content = payload if isinstance(payload, str) else json.dumps(payload)
+    r = httpx.post(f"{url}/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert text in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(url):
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/completions",
+        timeout=60,
+        json={"prompt": "hello world " * 20, "max_tokens": 200, "ignore_eos": True, "stream": True},
+    ) as s:
+        lines = s.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert metrics(url)["hybridkv_kv_blocks_used"] > 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = metrics(url)
+        if m["hybridkv_kv_blocks_used"] == 0 and m["hybridkv_requests_running"] == 0:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"blocks still held after the client left: {metrics(url)}")
+
+
+def test_api_key_guards_every_route_but_health(folder):
+    for url in start_server(folder, "--api-key", "s3cret"):
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        ok = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
