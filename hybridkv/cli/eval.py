@@ -21,6 +21,10 @@ def evaluate(
     kv_layout: Annotated[str, typer.Option(help=" | ".join(KV_LAYOUTS))] = "auto",
     enable_prefix_caching: Annotated[bool, typer.Option()] = True,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    server: Annotated[
+        str | None, typer.Option(help="score a running server (e.g. http://127.0.0.1:8000) through lm-eval instead")
+    ] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="with --server: the model name it serves")] = None,
 ) -> None:
     import torch
     from rich.progress import Progress
@@ -34,6 +38,12 @@ def evaluate(
         torch.set_num_threads(threads)
     folder = Path(model) if model else DEFAULT_MODEL_DIR
     path = Path(data) if data else folder / "heldout.jsonl"
+    if server:
+        from hybridkv.evals import lm_eval_server_accuracy
+
+        acc = lm_eval_server_accuracy(server.rstrip("/"), served_model_name or folder.name, path, limit)
+        typer.echo(f"accuracy {acc:.4f} via lm-eval local-completions at {server}")
+        return
     try:
         items = read_jsonl(path)[:limit]
         llm = LLM(str(folder), kv_layout=kv_layout, enable_prefix_caching=enable_prefix_caching)

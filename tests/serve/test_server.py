@@ -178,3 +178,18 @@ def test_api_key_guards_every_route_but_health(folder):
         assert httpx.get(f"{url}/v1/models").status_code == 401
         ok = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer s3cret"})
         assert ok.status_code == 200
+
+
+def test_lm_eval_through_the_server_equals_in_process_eval(url, folder, tmp_path):
+    """lm-eval's local-completions against the server scores exactly what `hybridkv eval` scores in-process."""
+    pytest.importorskip("lm_eval")
+    from hybridkv.evals import lm_eval_server_accuracy
+
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", max_model_len=256)
+    prompts = ["hello world", "the quick brown", "lazy dog", "over the", "brown fox jumps"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, stop=["\n"]))
+    items = [{"prompt": p, "answer": o.outputs[0].text} for p, o in zip(prompts, outs)]
+    items[1]["answer"] += "-wrong"
+    data = tmp_path / "set.jsonl"
+    data.write_text("".join(json.dumps(it) + "\n" for it in items))
+    assert lm_eval_server_accuracy(url, "tiny", data) == pytest.approx(4 / 5)
