@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from hybridkv.cli.bench import app as bench_app
 from hybridkv.cli.eval import evaluate
 from hybridkv.cli.generate import generate
 from hybridkv.cli.plan import plan
@@ -27,6 +28,8 @@ app.command(help="Generate text from prompts, streaming tokens to the terminal."
 app.command("eval", help="Score a held-out set of prompts and answers, greedy, in-process.")(evaluate)
 app.command(help="Serve the OpenAI-compatible API (completions, chat, streaming, metrics).")(serve)
 app.command(help="Plan the KV cache of a model: groups, layout, blocks and how many requests fit.")(plan)
+
+app.add_typer(bench_app, name="bench")
 
 if __name__ == "__main__":
     app()

@@ -193,3 +193,35 @@ def test_lm_eval_through_the_server_equals_in_process_eval(url, folder, tmp_path
     data = tmp_path / "set.jsonl"
     data.write_text("".join(json.dumps(it) + "\n" for it in items))
     assert lm_eval_server_accuracy(url, "tiny", data) == pytest.approx(4 / 5)
+
+
+def test_64_concurrent_streaming_clients_complete_without_errors(url):
+    r = subprocess.run(
+        [
+            "hybridkv",
+            "bench",
+            "serve",
+            "--url",
+            url,
+            "--num-prompts",
+            "64",
+            "--concurrency",
+            "64",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--model",
+            "tiny",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["errors"] == 0 and report["requests"] == 64
+    assert report["ttft_ms"]["p50"] > 0 and report["output_tok_per_s"] > 0
+    m = metrics(url)
+    assert m["hybridkv_kv_blocks_used"] == 0 and m["hybridkv_requests_running"] == 0
