@@ -10,6 +10,14 @@ from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.kv.coordinator import KVCacheCoordinator
 
 
+@dataclass
+class SchedulerStats:
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    generation_tokens: int = 0
+    prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_hit_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
@@ -34,6 +42,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.stats = SchedulerStats()
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -94,6 +103,10 @@ class Scheduler:
             if not self.kv.allocate(req.request_id, hit.num_tokens + n, hit.num_tokens, hit):
                 break
             self.waiting.popleft()
+            self.stats.prefix_query_tokens += req.num_tokens
+            self.stats.prefix_hit_tokens += hit.num_tokens
+            if req.num_preemptions == 0:
+                self.stats.prompt_tokens += req.num_prompt_tokens
             req.num_computed_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -114,6 +127,7 @@ class Scheduler:
                 continue
             token = sampled[req.request_id]
             req.append_token(token)
+            self.stats.generation_tokens += 1
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self.finish(req.request_id, reason)

@@ -86,6 +86,11 @@ class KVCacheCoordinator:
         """Per group, the request's block table (0 marks an entry outside the window)."""
         return [m.block_ids(req_id) for m in self.managers]
 
+    def blocks_held_per_group(self) -> list[int]:
+        """Distinct blocks each group's tables hold (shared prefix blocks count once)."""
+        null = self.pool.null_block
+        return [len({id(b) for t in m.tables.values() for b in t if b is not null}) for m in self.managers]
+
     def num_requests(self) -> int:
         return len({r for m in self.managers for r in m.tables})
 

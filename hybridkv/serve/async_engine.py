@@ -11,12 +11,14 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.engine.request import Request
 from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.serve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Update | BaseException]
     request: Request | None = None
+    last_token_time: float = 0.0
     sent_tokens: int = 0
     sent_text: str = ""
 
@@ -50,6 +53,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stopped = False
+        self.metrics = EngineMetrics()
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._thread.start()
 
@@ -90,16 +94,7 @@ class AsyncEngine:
                 self._post(("abort", request_id))
 
     def metrics_text(self) -> str:
-        """Prometheus text format. Read from the event loop: plain counters, a step may be mid-way."""
-        e = self.engine
-        lines = [
-            ("hybridkv_requests_running", len(e.scheduler.running)),
-            ("hybridkv_requests_waiting", len(e.scheduler.waiting)),
-            ("hybridkv_kv_blocks_used", e.kv.pool.num_used_blocks),
-            ("hybridkv_kv_blocks_free", e.kv.pool.num_free_blocks),
-            ("hybridkv_preemptions_total", e.scheduler.num_preemptions),
-        ]
-        return "".join(f"# TYPE {name} gauge\n{name} {value}\n" for name, value in lines)
+        return self.metrics.render(self.engine)
 
     def _post(self, command: tuple) -> None:
         self._inbox.put(command)
@@ -148,6 +143,13 @@ class AsyncEngine:
                 continue
             text = self.engine.output_text(req)
             new_ids = req.output_token_ids[s.sent_tokens :]
+            now = time.monotonic()
+            if new_ids:
+                if s.sent_tokens == 0:
+                    self.metrics.ttft.observe(now - req.arrival_time)
+                else:
+                    self.metrics.itl.observe((now - s.last_token_time) / len(new_ids))
+                s.last_token_time = now
             finished = req.status.finished
             update = Update(
                 new_ids,

@@ -225,3 +225,21 @@ def test_64_concurrent_streaming_clients_complete_without_errors(url):
     assert report["ttft_ms"]["p50"] > 0 and report["output_tok_per_s"] > 0
     m = metrics(url)
     assert m["hybridkv_kv_blocks_used"] == 0 and m["hybridkv_requests_running"] == 0
+
+
+def test_metrics_expose_tokens_cache_and_latency(url):
+    before = metrics(url)
+    for _ in range(2):  # the second request hits the first one's cached prefix
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "hello world " * 10, "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        )
+        assert r.status_code == 200
+    m = metrics(url)
+    assert m["hybridkv_generation_tokens_total"] - before["hybridkv_generation_tokens_total"] == 6
+    assert m["hybridkv_prompt_tokens_total"] > before["hybridkv_prompt_tokens_total"]
+    assert m["hybridkv_prefix_cache_hit_rate"] > 0
+    assert m["hybridkv_time_to_first_token_seconds_count"] >= 2
+    assert m["hybridkv_inter_token_latency_seconds_count"] >= 4
+    assert all(v == 0 for k, v in m.items() if k.startswith("hybridkv_kv_group_blocks_used"))

@@ -1,0 +1,62 @@
+"""Prometheus text exposition for the engine: gauges read live, counters and latency histograms kept here."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+from hybridkv.engine.engine import LLMEngine
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def lines(self, name: str) -> list[str]:
+        out, total = [f"# TYPE {name} histogram"], 0
+        for bound, count in zip((*self.buckets, float("inf")), self.counts):
+            total += count
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            out.append(f'{name}_bucket{{le="{le}"}} {total}')
+        return [*out, f"{name}_sum {self.sum}", f"{name}_count {total}"]
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        self.ttft = Histogram()
+        self.itl = Histogram()
+
+    def render(self, engine: LLMEngine) -> str:
+        s, kv = engine.scheduler, engine.kv
+        stats = s.stats
+        hit_rate = stats.prefix_hit_tokens / stats.prefix_query_tokens if stats.prefix_query_tokens else 0.0
+        lines = [
+            "# TYPE hybridkv_requests_running gauge",
+            f"hybridkv_requests_running {len(s.running)}",
+            "# TYPE hybridkv_requests_waiting gauge",
+            f"hybridkv_requests_waiting {len(s.waiting)}",
+            "# TYPE hybridkv_kv_blocks_used gauge",
+            f"hybridkv_kv_blocks_used {kv.pool.num_used_blocks}",
+            "# TYPE hybridkv_kv_blocks_free gauge",
+            f"hybridkv_kv_blocks_free {kv.pool.num_free_blocks}",
+            "# TYPE hybridkv_kv_group_blocks_used gauge",
+            *(f'hybridkv_kv_group_blocks_used{{group="{g}"}} {n}' for g, n in enumerate(kv.blocks_held_per_group())),
+            "# TYPE hybridkv_prefix_cache_hit_rate gauge",
+            f"hybridkv_prefix_cache_hit_rate {hit_rate}",
+            "# TYPE hybridkv_prompt_tokens_total counter",
+            f"hybridkv_prompt_tokens_total {stats.prompt_tokens}",
+            "# TYPE hybridkv_generation_tokens_total counter",
+            f"hybridkv_generation_tokens_total {stats.generation_tokens}",
+            "# TYPE hybridkv_preemptions_total counter",
+            f"hybridkv_preemptions_total {s.num_preemptions}",
+            *self.ttft.lines("hybridkv_time_to_first_token_seconds"),
+            *self.itl.lines("hybridkv_inter_token_latency_seconds"),
+        ]
+        return "\n".join(lines) + "\n"
