@@ -91,9 +91,6 @@ class KVCacheCoordinator:
         null = self.pool.null_block
         return [len({id(b) for t in m.tables.values() for b in t if b is not null}) for m in self.managers]
 
-    def num_requests(self) -> int:
-        return len({r for m in self.managers for r in m.tables})
-
     def check_integrity(self, extra_refs: Counter[int] | None = None) -> None:
         """Pool invariants, plus: each block's reference count equals the tables (and `extra_refs`, e.g. a
         connector's holds) that contain it, and no block serves two groups."""
