@@ -9,13 +9,11 @@ import subprocess
 import pytest
 
 from hybridkv import LLM, SamplingParams
-from tests.tiny_models import add_tokenizer, build
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    pytest.importorskip("transformers")
-    return add_tokenizer(build("gemma4", tmp_path_factory.mktemp("gemma4")))
+def folder(tiny_gemma4):
+    return tiny_gemma4
 
 
 @pytest.fixture(scope="module")

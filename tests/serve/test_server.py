@@ -12,7 +12,6 @@ import httpx
 import pytest
 
 from hybridkv import LLM, SamplingParams
-from tests.tiny_models import add_tokenizer, build
 
 ENGINE_ARGS = ["--kv-cache-memory", "16MiB", "--max-model-len", "256", "--threads", "1"]
 
@@ -63,9 +62,8 @@ def start_server(folder, *extra: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    pytest.importorskip("transformers")
-    return add_tokenizer(build("gemma4", tmp_path_factory.mktemp("gemma4")))
+def folder(tiny_gemma4):
+    return tiny_gemma4
 
 
 @pytest.fixture(scope="module")
