@@ -12,7 +12,9 @@ from hybridkv.kv.layout import KV_LAYOUTS
 
 
 def generate(
-    prompt: Annotated[list[str], typer.Option(help="prompt text (repeat for a batch)")],
+    prompt: Annotated[
+        list[str] | None, typer.Option(help="prompt text (repeat for a batch); default: a held-out task item")
+    ] = None,
     model: Annotated[str | None, typer.Option(help="model folder (default: the embedded model)")] = None,
     max_tokens: Annotated[int, typer.Option(help="tokens to generate per prompt")] = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
@@ -33,6 +35,13 @@ def generate(
 
     if threads:
         torch.set_num_threads(threads)
+    expected = None
+    if not prompt:  # the main job: the embedded model answers one of its held-out questions
+        from hybridkv.tasks.kv_recall import read_jsonl
+
+        item = read_jsonl(DEFAULT_MODEL_DIR / "heldout.jsonl")[0]
+        prompt, expected, model = [item["prompt"]], item["answer"].strip(), None
+        typer.echo(item["prompt"], nl=False)
     try:
         engine = LLMEngine(
             EngineConfig(
@@ -62,5 +71,9 @@ def generate(
             typer.echo(f"--- {p!r}\n{engine.output_text(r)}")
     else:
         typer.echo()
+    if expected is not None:
+        answer = engine.output_text(reqs[0]).split("\n")[0].strip()
+        verdict = "correct" if answer == expected else "WRONG"
+        typer.echo(f"[expected {expected!r}, got {answer!r}: {verdict}]")
     n = sum(len(r.output_token_ids) for r in reqs)
     typer.echo(f"[{n} tokens in {time.perf_counter() - start:.2f}s]", err=True)
