@@ -1,20 +1,24 @@
-"""kv_recall: recall the value bound to a key, many sliding windows back.
+"""kv_recall: recall the code bound to a key, many sliding windows back.
 
-An item is a list of `key: value` bindings with a few distractor notes mixed in, then questions:
+A context binds 4-10 keys to codes among 8-20 distractor notes, then asks for one key's code:
 
     Remember these codes.
-    river: 042
-    note: lamp is close.
-    lake: 7319
+    - note: box is wet.
+    - sky 11
+    - bee 91
+    - note: owl is far.
+    - tea 0871
     ...
-    Q: what is river?
-    A: 042
+    - owl 3378
+    Q: what is bee?
+    A: bee                      <- the prompt ends here (100-250 tokens of the default model's tokenizer)
+     91                         <- the answer, then a newline
 
-Keys are distinct words; values are 2-4 digits (leading zeros allowed). Notes mention words, some of them
-bound keys, but never carry digits. A prompt ends right after `A:`; its answer is ` <value>` and a newline ends
-it (the model's generation config stops on that newline or on EOS). A prediction is right when its text up to
-the first newline, stripped, equals the value (`score`). Held-out items ask one question; training items ask
-1-6, each answered before the next.
+Keys are distinct 3-letter words; codes are 2-4 digits, no two in a context starting with the same digit;
+notes mention keys, bound or not, but never carry digits. The answer is ` <code>`, ended by a newline (the
+default model's generation config stops on it, or on EOS). `score`: the generated text up to its first
+newline, stripped, equals the code. Held-out items ask one question, never about the last binding, so the
+code is at least 16 tokens back; training texts ask 1-6 questions, each answered before the next.
 """
 
 from __future__ import annotations
