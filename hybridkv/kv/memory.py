@@ -1,7 +1,8 @@
 """KVCacheMemory: the plan's buffers on a device and one strided view per layer.
 
-A layer's view has shape [num_blocks, 2, block_size, num_kv_heads, head_size] (2 = K, V): block b of the view
-starts `offset + b * block_stride` bytes into its buffer. KV-sharing consumers get their target's view object.
+A layer's view has shape [num_blocks, block_size, 2, num_kv_heads, head_size] (2 = K, V; token-major, so one
+gather of whole blocks yields keys and values as views): block b of the view starts `offset + b * block_stride`
+bytes into its buffer. KV-sharing consumers get their target's view object.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ class KVCacheMemory:
         h, d, bs = spec.num_kv_heads, spec.head_size, spec.block_size
         return torch.as_strided(
             typed,
-            size=(self.plan.num_blocks, 2, bs, h, d),
-            stride=(block_stride // item, bs * h * d, h * d, d, 1),
+            size=(self.plan.num_blocks, bs, 2, h, d),
+            stride=(block_stride // item, 2 * h * d, h * d, d, 1),
             storage_offset=offset // item,
         )
 

@@ -18,12 +18,11 @@ class AttentionFn(Protocol):
         self,
         layer: int,
         q: torch.Tensor,  # [N, num_heads, head_size]
-        k: torch.Tensor | None,  # [N, num_kv_heads, head_size]; None for a KV-sharing consumer layer
-        v: torch.Tensor | None,  # same; None for a consumer
+        kv: torch.Tensor | None,  # [N, 2, num_kv_heads, head_size] (keys, values); None for a KV-sharing consumer
         scale: float,
     ) -> torch.Tensor:  # [N, num_heads, head_size]
-        """Store k/v of the N new tokens for `layer` (unless None), then attend each query to the KV its
-        token may see: for a consumer, the KV its target layer stored. Returns the attention output."""
+        """Store the keys and values of the N new tokens for `layer` (unless None), then attend each query to
+        the KV its token may see: for a consumer, the KV its target layer stored. Returns the attention output."""
         ...
 
 

@@ -27,4 +27,8 @@ class FusedLinear:
                 start += n
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.fused(x).split(self.sizes, dim=-1)
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """All outputs side by side: [..., sum of out_features]."""
+        return F.linear(x, self.weight, self.bias)

@@ -21,7 +21,7 @@ from hybridkv.kv.model_kv import MODEL_READERS, LayerAttn
 from hybridkv.models.base import AttentionFn, CausalLM
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.llama import ACTIVATIONS
-from hybridkv.models.rope import Rotary, apply_rope
+from hybridkv.models.rope import RopeTables, Rotary, apply_rope
 
 # Gemma4TextConfig's defaults, for configs that leave a field out.
 TEXT_DEFAULTS: dict[str, Any] = {
@@ -50,17 +50,21 @@ def _in_dtype(scale: float, dtype: torch.dtype) -> float:
     return torch.tensor(scale, dtype=dtype, device="cpu").item()
 
 
-class RMSNorm(nn.Module):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Gemma 4's RMSNorm: computed in float32, scaled by `weight` (not `1 + weight`), or unscaled."""
+    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).type_as(x)
 
+
+class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, with_scale: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = None if self.weight is None else self.weight.float()
-        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).type_as(x)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -68,38 +72,56 @@ class Attention(nn.Module):
         super().__init__()
         hidden, heads, hd, eps = cfg["hidden_size"], cfg["num_attention_heads"], shape.head_size, cfg["rms_norm_eps"]
         bias = cfg["attention_bias"]
-        self.head_dim = hd
+        self.head_dim, self.eps = hd, eps
         self.q_proj = nn.Linear(hidden, heads * hd, bias=bias)
         self.q_norm = RMSNorm(hd, eps)
         self.o_proj = nn.Linear(heads * hd, hidden, bias=bias)
         self.k_proj = self.v_proj = self.k_norm = self.v_norm = None
+        self.k_eq_v = False
         if not consumer:
             self.k_proj = nn.Linear(hidden, shape.num_kv_heads * hd, bias=bias)
-            k_eq_v = cfg["attention_k_eq_v"] and shape.kind == "full_attention"
-            self.v_proj = None if k_eq_v else nn.Linear(hidden, shape.num_kv_heads * hd, bias=bias)
+            self.k_eq_v = cfg["attention_k_eq_v"] and shape.kind == "full_attention"
+            self.v_proj = None if self.k_eq_v else nn.Linear(hidden, shape.num_kv_heads * hd, bias=bias)
             self.k_norm = RMSNorm(hd, eps)
             self.v_norm = RMSNorm(hd, eps, with_scale=False)
         self.qkv: FusedLinear | None = None
+        self.head_scale: torch.Tensor | None = None
 
     def fuse(self) -> None:
+        """One matmul for q/k/v, then one norm and one RoPE over the stacked heads [q | k | v]: per-head norm
+        weights q_norm, k_norm and 1 (v is normed unscaled); v heads pass RoPE unrotated."""
         self.qkv = FusedLinear([p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None])
+        self.head_scale = self._head_scale()
 
-    def forward(
-        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
-    ) -> torch.Tensor:
-        n = x.shape[0]
+    @property
+    def num_heads(self) -> tuple[int, int]:
+        """(query heads, KV heads); 0 KV heads for a consumer."""
+        kv = 0 if self.k_proj is None else self.k_proj.out_features // self.head_dim
+        return self.q_proj.out_features // self.head_dim, kv
+
+    def forward(self, layer: int, x: torch.Tensor, rope: RopeTables, attn: AttentionFn) -> torch.Tensor:
+        n, hd = x.shape[0], self.head_dim
+        hq, hk = self.num_heads
         if self.qkv is not None:
-            q_raw, *kv_raw = self.qkv(x)
+            heads = self.qkv.fused(x).view(n, -1, hd)
         else:
-            q_raw = self.q_proj(x)
-            kv_raw = [p(x) for p in (self.k_proj, self.v_proj) if p is not None]
-        q = apply_rope(self.q_norm(q_raw.reshape(n, -1, self.head_dim)), cos, sin)
-        k = v = None
-        if kv_raw:
-            k_raw = kv_raw[0].reshape(n, -1, self.head_dim)
-            v_raw = kv_raw[1].reshape(n, -1, self.head_dim) if len(kv_raw) > 1 else k_raw  # attention_k_eq_v
-            k, v = apply_rope(self.k_norm(k_raw), cos, sin), self.v_norm(v_raw)
-        return self.o_proj(attn(layer, q, k, v, 1.0).reshape(n, -1))
+            heads = torch.cat([p(x) for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None], 1)
+            heads = heads.view(n, -1, hd)
+        if self.k_eq_v:
+            heads = torch.cat((heads, heads[:, hq:]), 1)  # values: the keys before k_norm and RoPE
+        scale = self.head_scale if self.head_scale is not None else self._head_scale()
+        normed = (F.rms_norm(heads.float(), (hd,), None, self.eps) * scale).type_as(heads)
+        out = apply_rope(normed, *rope.for_heads(hq + hk, hk))  # [N, hq + 2 hk, hd]
+        kv = out[:, hq:].view(n, 2, hk, hd) if hk else None
+        return self.o_proj(attn(layer, out[:, :hq], kv, 1.0).reshape(n, -1))
+
+    def _head_scale(self) -> torch.Tensor:
+        """[hq (+ 2 hk), head_dim] float32: each stacked head's norm weight."""
+        hq, hk = self.num_heads
+        scales = [self.q_norm.weight.float().expand(hq, self.head_dim)]
+        if hk:
+            scales += [self.k_norm.weight.float().expand(hk, self.head_dim), scales[0].new_ones(hk, self.head_dim)]
+        return torch.cat(scales)
 
 
 class MLP(nn.Module):
@@ -131,6 +153,7 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
+        self.unit_scalar = False  # set by `fuse` once the weights are loaded: skip multiplying by 1
         self.act = ACTIVATIONS[cfg["hidden_activation"]]
         self.per_layer_input_gate = nn.Linear(hidden, ple, bias=False) if ple else None
         self.per_layer_projection = nn.Linear(ple, hidden, bias=False) if ple else None
@@ -141,16 +164,15 @@ class DecoderLayer(nn.Module):
         layer: int,
         x: torch.Tensor,  # [N, hidden]
         per_layer_input: torch.Tensor | None,  # [N, hidden_size_per_layer_input]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeTables,
         attn: AttentionFn,
     ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(layer, self.input_layernorm(x), cos, sin, attn))
+        x = x + self.post_attention_layernorm(self.self_attn(layer, self.input_layernorm(x), rope, attn))
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if per_layer_input is not None:
             gated = self.act(self.per_layer_input_gate(x)) * per_layer_input
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
-        return x * self.layer_scalar
+        return x if self.unit_scalar else x * self.layer_scalar
 
 
 class Gemma4ForCausalLM(CausalLM):
@@ -196,8 +218,7 @@ class Gemma4ForCausalLM(CausalLM):
         per_layer = self._per_layer_inputs(input_ids, x) if self.ple_dim else None
         rope = {t: r(positions, x.dtype) for t, r in self.rotary.items()}
         for i, layer in enumerate(self.layers):
-            cos, sin = rope[self.layer_types[i]]
-            x = layer(i, x, None if per_layer is None else per_layer[:, i], cos, sin, attn)
+            x = layer(i, x, None if per_layer is None else per_layer[:, i], rope[self.layer_types[i]], attn)
         return self.norm(x)
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -213,6 +234,7 @@ class Gemma4ForCausalLM(CausalLM):
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+            layer.unit_scalar = bool((layer.layer_scalar == 1).all())
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)

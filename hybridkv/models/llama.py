@@ -53,7 +53,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = attn(layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, self.scale)
+        out = attn(layer, apply_rope(q, cos, sin), torch.stack((apply_rope(k, cos, sin), v), 1), self.scale)
         return self.o_proj(out.reshape(n, -1))
 
 
@@ -116,7 +116,8 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        rope = self.rotary(positions, x.dtype)
+        cos, sin = rope.cos, rope.sin
         for i, layer in enumerate(self.layers):
             x = layer(i, x, cos, sin, attn)
         return self.norm(x)

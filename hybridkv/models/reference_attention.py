@@ -28,15 +28,14 @@ class ReferenceAttention:
         """For a model that exposes `layer_windows` and `kv_sharing` (all of ours do)."""
         return cls(model.layer_windows, model.kv_sharing)
 
-    def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float
-    ) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor | None, scale: float) -> torch.Tensor:
         source = self.kv_sharing.get(layer, layer)
-        if source != layer and (k is not None or v is not None):
-            raise ValueError(f"layer {layer} reads the KV of layer {source}: it must pass k=None, v=None")
-        if source == layer and (k is None or v is None):
-            raise ValueError(f"layer {layer} owns its KV: it must pass k and v")
-        if k is not None:
+        if source != layer and kv is not None:
+            raise ValueError(f"layer {layer} reads the KV of layer {source}: it must pass kv=None")
+        if source == layer and kv is None:
+            raise ValueError(f"layer {layer} owns its KV: it must pass kv")
+        if kv is not None:
+            k, v = kv.unbind(1)
             self.k[layer] = k if layer not in self.k else torch.cat([self.k[layer], k])
             self.v[layer] = v if layer not in self.v else torch.cat([self.v[layer], v])
         keys, values = self.k[source], self.v[source]

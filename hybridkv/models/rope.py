@@ -58,24 +58,48 @@ def _llama3(freq: torch.Tensor, params: Mapping[str, Any]) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+class RopeTables:
+    """One step's RoPE tables, [N, 1, head_dim]: `cos`, and `sin` with the sign of "rotate half" folded in
+    (negative in the first half), so that rope(x) = x * cos + roll(x, head_dim / 2) * sin."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin
+        self._heads: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def for_heads(self, rotated: int, unrotated: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables [N, rotated + unrotated, head_dim] under which the first `rotated` heads rotate and the rest
+        pass through unchanged (cos 1, sin 0): one RoPE call covers stacked q, k and v heads."""
+        if not unrotated:
+            return self.cos, self.sin
+        if (rotated, unrotated) not in self._heads:
+            n, _, d = self.cos.shape
+            self._heads[rotated, unrotated] = (
+                torch.cat((self.cos.expand(n, rotated, d), self.cos.new_ones(n, unrotated, d)), 1),
+                torch.cat((self.sin.expand(n, rotated, d), self.sin.new_zeros(n, unrotated, d)), 1),
+            )
+        return self._heads[rotated, unrotated]
+
+
 class Rotary:
-    """The inverse frequencies of one RoPE; cos/sin for a batch of positions. A plain object, not a module:
+    """The inverse frequencies of one RoPE; tables for a batch of positions. A plain object, not a module:
     building a model on the meta device or casting it leaves the float32 frequencies alone."""
 
     def __init__(self, params: Mapping[str, Any], head_dim: int) -> None:
         self.freq = inv_freq(params, head_dim)
 
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N] -> cos, sin [N, head_dim]."""
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """positions [N] -> tables [N, 1, head_dim]."""
         if self.freq.device != positions.device:
             self.freq = self.freq.to(positions.device)
         angles = positions[:, None].float() * self.freq[None, :]
-        emb = torch.cat((angles, angles), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = angles.sin()
+        return RopeTables(
+            torch.cat((angles, angles), dim=-1).cos().to(dtype)[:, None],
+            torch.cat((-sin, sin), dim=-1).to(dtype)[:, None],
+        )
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, head_dim]; dimension i rotates with i + head_dim/2 ("rotate half")."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """x [N, heads, head_dim]: dimension i rotates with i + head_dim/2 ("rotate half"). `cos`, `sin` from
+    `RopeTables`. Equal, bit for bit, to x * cos + cat(-x2, x1) * |sin|."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

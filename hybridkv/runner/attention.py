@@ -9,6 +9,7 @@ j < seq_len and, for a sliding window W, p - j < W.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,29 +22,27 @@ class StepIndex:
 
     starts: list[int]
     lengths: list[int]
-    req_index: torch.Tensor  # [N] on device
-    q_index: torch.Tensor  # [N] on device
-    positions: torch.Tensor  # [N] on CPU
-    rows: torch.Tensor  # [N] on CPU: the request of each token
+    rows: list[int]  # [N]: the request of each token
+    positions: list[int]  # [N]
+    req_index: torch.Tensor  # [N] on device: `rows`
+    q_index: torch.Tensor  # [N] on device: the token's slot in its request's query row
     q_pos: torch.Tensor  # [B, Lq] on CPU
     seq_end: torch.Tensor  # [B, 1] on CPU
     pad: torch.Tensor  # [B, Lq] on CPU: padded query slots
 
     @staticmethod
     def build(starts: list[int], lengths: list[int], device: torch.device) -> StepIndex:
-        lens = torch.tensor(lengths)
-        rows = torch.repeat_interleave(torch.arange(len(lengths)), lens)
-        first = torch.cumsum(lens, 0) - lens
-        q_index = torch.arange(int(lens.sum())) - first[rows]
-        start = torch.tensor(starts)
+        rows = [r for r, n in enumerate(lengths) for _ in range(n)]
+        q_index = [j for n in lengths for j in range(n)]
+        start, lens = torch.tensor(starts), torch.tensor(lengths)
         grid = torch.arange(max(lengths)).unsqueeze(0)
         return StepIndex(
             starts=starts,
             lengths=lengths,
-            req_index=rows.to(device),
-            q_index=q_index.to(device),
-            positions=start[rows] + q_index,
             rows=rows,
+            positions=[starts[r] + j for r, j in zip(rows, q_index)],
+            req_index=torch.tensor(rows, device=device),
+            q_index=torch.tensor(q_index, device=device),
             q_pos=start.unsqueeze(1) + grid,
             seq_end=(start + lens).unsqueeze(1),
             pad=grid >= lens.unsqueeze(1),
@@ -63,33 +62,68 @@ class GroupMetadata:
     block_ids: torch.Tensor  # [N] block of each new token
     offsets: torch.Tensor  # [N] slot inside that block
     tables: torch.Tensor  # [B, nb] blocks gathered for attention (0 = null block, always masked)
-    mask: torch.Tensor  # [B, 1, Lq, nb * block_size]
+    mask: torch.Tensor  # [B, 1, Lq, nb * block_size] additive: 0 where visible, -inf elsewhere
 
     @staticmethod
     def build(
-        step: StepIndex, tables: list[list[int]], block_size: int, window: int | None, device: torch.device
+        step: StepIndex,
+        tables: list[list[int]],
+        block_size: int,
+        window: int | None,
+        device: torch.device,
+        masks: dict[tuple, torch.Tensor] | None = None,
     ) -> GroupMetadata:
+        """`masks`: masks built earlier in this step, shared by groups with the same window and spans."""
         # Sliding groups read from block `first[b]` on: the block holding the first key any query can see.
         first = [0] * len(tables)
         if window is not None:
             first = [max(0, s - window + 1) // block_size for s in step.starts]
         span = max(len(t) - f for t, f in zip(tables, first))
-        gathered = torch.tensor([t[f:] + [0] * (span - len(t) + f) for t, f in zip(tables, first)])
+        gathered = [t[f:] + [0] * (span - len(t) + f) for t, f in zip(tables, first)]
         # Each new token's block: its table entry, counted from the gathered window's first block.
-        block_ids = gathered[step.rows, step.positions // block_size - torch.tensor(first)[step.rows]]
-        first_pos = (torch.tensor(first) * block_size).view(-1, 1, 1)
-        k_pos = first_pos + torch.arange(span * block_size).view(1, 1, -1)  # [B, 1, Lk] absolute positions
-        q_pos = step.q_pos.unsqueeze(-1)  # [B, Lq, 1]
-        mask = (k_pos <= q_pos) & (k_pos < step.seq_end.unsqueeze(-1))
-        if window is not None:
-            mask &= q_pos - k_pos < window
-        mask[..., 0] |= step.pad  # padded query rows see one key so softmax stays finite; their output is dropped
+        block_ids = [gathered[r][p // block_size - first[r]] for r, p in zip(step.rows, step.positions)]
+        key = (block_size, window, span, *first)
+        mask = None if masks is None else masks.get(key)
+        if mask is None:
+            mask = _mask(step, first, span, block_size, window).to(device)
+            if masks is not None:
+                masks[key] = mask
         return GroupMetadata(
-            block_ids=block_ids.to(device),
-            offsets=(step.positions % block_size).to(device),
-            tables=gathered.to(device),
-            mask=mask.unsqueeze(1).to(device),
+            block_ids=torch.tensor(block_ids, device=device),
+            offsets=torch.tensor([p % block_size for p in step.positions], device=device),
+            tables=torch.tensor(gathered, device=device),
+            mask=mask,
         )
+
+
+def _mask(step: StepIndex, first: list[int], span: int, block_size: int, window: int | None) -> torch.Tensor:
+    first_pos = (torch.tensor(first) * block_size).view(-1, 1, 1)
+    k_pos = first_pos + torch.arange(span * block_size).view(1, 1, -1)  # [B, 1, Lk] absolute positions
+    q_pos = step.q_pos.unsqueeze(-1)  # [B, Lq, 1]
+    visible = (k_pos <= q_pos) & (k_pos < step.seq_end.unsqueeze(-1))
+    if window is not None:
+        visible &= q_pos - k_pos < window
+    visible[..., 0] |= step.pad  # padded query rows see one key so softmax stays finite; their output is dropped
+    return torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).unsqueeze(1)
+
+
+class Workspace:
+    """Gather buffers kept across steps, one per KV cache. A fresh multi-MB tensor every step costs page faults
+    on each of its pages (large allocations are mmapped and unmapped again); reusing one buffer does not.
+    Buffers over `max_bytes` are not kept."""
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def get(self, key: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        need = math.prod(shape)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < need or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(need + need // 2, dtype=dtype, device=device)  # headroom: contexts grow by a token
+            if buf.numel() * buf.element_size() <= self.max_bytes:
+                self.buffers[key] = buf
+        return buf[:need].view(shape)
 
 
 class PagedAttention:
@@ -101,21 +135,21 @@ class PagedAttention:
         layer_group: dict[int, int],
         metadata: list[GroupMetadata],
         step: StepIndex,
+        workspace: Workspace | None = None,
     ) -> None:
-        self.views = views  # layer -> [num_blocks, 2, block_size, kv_heads, head_size]; consumers alias targets
+        self.workspace = workspace or Workspace()
+        self.views = views  # layer -> [num_blocks, block_size, 2, kv_heads, head_size]; consumers alias targets
         self.layer_group = layer_group
         self.metadata = metadata
         self.step = step
         # Gathered K/V per cache, valid for the rest of the step once its owner wrote: consumers reuse them.
         self._gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float
-    ) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor | None, scale: float) -> torch.Tensor:
         cache = self.views[layer]
         meta = self.metadata[self.layer_group[layer]]
-        if k is not None and v is not None:
-            cache[meta.block_ids, :, meta.offsets] = torch.stack((k, v), 1).to(cache.dtype)  # [N, 2, Hk, D]
+        if kv is not None:
+            cache[meta.block_ids, meta.offsets] = kv if kv.dtype == cache.dtype else kv.to(cache.dtype)
             self._gathered.pop(id(cache), None)
         step = self.step
         keys, values = self._gathered.get(id(cache)) or self._gather(cache, meta)
@@ -141,8 +175,9 @@ class PagedAttention:
     def _gather(self, cache: torch.Tensor, meta: GroupMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks of `meta.tables` as keys and values [B, Hk, Lk, D]."""
         b, nb = meta.tables.shape
-        _, _, bs, hk, d = cache.shape
-        keys = cache[:, 0][meta.tables].view(b, nb * bs, hk, d).transpose(1, 2)
-        values = cache[:, 1][meta.tables].view(b, nb * bs, hk, d).transpose(1, 2)
+        _, bs, _, hk, d = cache.shape
+        out = self.workspace.get(id(cache), (b * nb, bs, 2, hk, d), cache.dtype, cache.device)
+        kv = torch.index_select(cache, 0, meta.tables.flatten(), out=out).view(b, nb * bs, 2, hk, d)  # K and V
+        keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
         self._gathered[id(cache)] = (keys, values)
         return keys, values

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from hybridkv.engine.output import SchedulerOutput
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
 from hybridkv.models.base import CausalLM
-from hybridkv.runner.attention import GroupMetadata, PagedAttention, StepIndex
+from hybridkv.runner.attention import GroupMetadata, PagedAttention, StepIndex, Workspace
 
 
 class ModelRunner:
@@ -17,6 +19,7 @@ class ModelRunner:
         self.plan = plan
         self.device = device
         self.memory = KVCacheMemory(plan, device)
+        self.workspace = Workspace()
         self.layer_group = {layer: plan.group_of(layer).group_id for layer in range(plan.num_layers)}
 
     @torch.inference_mode()
@@ -25,16 +28,18 @@ class ModelRunner:
         chunks = output.chunks
         step = StepIndex.build([c.start for c in chunks], [len(c.token_ids) for c in chunks], self.device)
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+        masks: dict[tuple, torch.Tensor] = {}
         metadata = [
             GroupMetadata.build(
-                step, [c.block_tables[g.group_id] for c in chunks], g.block_size, g.sliding_window, self.device
+                step, [c.block_tables[g.group_id] for c in chunks], g.block_size, g.sliding_window, self.device, masks
             )
             for g in self.plan.groups
         ]
-        attn = PagedAttention(self.memory.views, self.layer_group, metadata, step)
-        positions = step.positions.to(self.device)
+        attn = PagedAttention(self.memory.views, self.layer_group, metadata, step, self.workspace)
+        positions = torch.tensor(step.positions, device=self.device)
         hidden = self.model(input_ids, positions, attn)
-        ends = torch.tensor(step.lengths).cumsum(0) - 1
+        ends = list(itertools.accumulate(step.lengths))
         sampled = [i for i, c in enumerate(chunks) if c.sample]
-        logits = self.model.compute_logits(hidden[ends[sampled].to(self.device)])
+        rows = torch.tensor([ends[i] - 1 for i in sampled], dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
         return [chunks[i].request_id for i in sampled], logits

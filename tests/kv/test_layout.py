@@ -103,8 +103,8 @@ def test_consumers_alias_their_targets_view(layout):
     p = plan(gemma4_like(), 2 * P * 40, max_model_len=64, kv_layout=layout)
     mem = KVCacheMemory(p)
     assert mem.layer_view(5) is mem.layer_view(4) and mem.layer_view(7) is mem.layer_view(3)
-    assert mem.layer_view(3).shape == (p.num_blocks, 2, 16, 2, 32)
-    assert mem.layer_view(0).shape == (p.num_blocks, 2, 16, 2, 16)
+    assert mem.layer_view(3).shape == (p.num_blocks, 16, 2, 2, 32)
+    assert mem.layer_view(0).shape == (p.num_blocks, 16, 2, 2, 16)
 
 
 def test_block_spans_match_the_views():

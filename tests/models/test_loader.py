@@ -97,8 +97,9 @@ class EagerPrecisionAttention(ReferenceAttention):
     """The reference attention, rounded as transformers' eager attention rounds: products in the model dtype,
     softmax in float32."""
 
-    def __call__(self, layer, q, k, v, scale):
-        if k is not None:
+    def __call__(self, layer, q, kv, scale):
+        if kv is not None:
+            k, v = kv.unbind(1)
             self.k[layer] = torch.cat([self.k[layer], k]) if layer in self.k else k
             self.v[layer] = torch.cat([self.v[layer], v]) if layer in self.v else v
         source = self.kv_sharing.get(layer, layer)

@@ -16,7 +16,7 @@ def visible_positions(attn: ReferenceAttention, layer: int, n: int) -> list[set[
     q = torch.zeros(n, 2, 4)
     k = None if layer in attn.kv_sharing else torch.zeros(n, 1, 4)
     v = None if k is None else torch.eye(n)[:, None, :4].expand(n, 1, 4).contiguous()
-    out = attn(layer, q, k, v, 1.0)[:, 0]
+    out = attn(layer, q, None if k is None else torch.stack((k, v), 1), 1.0)[:, 0]
     return [{j for j in range(4) if out[i, j] > 0} for i in range(n)]
 
 
@@ -30,13 +30,13 @@ def test_a_token_sees_itself_and_the_window_minus_one_before_it():
 def test_consumers_read_their_targets_kv_under_their_own_window():
     attn = ReferenceAttention([None, 2], {1: 0})
     visible_positions(attn, 0, 4)
-    out = attn(1, torch.zeros(4, 2, 4), None, None, 1.0)  # layer 1 reads layer 0's one-hot values
+    out = attn(1, torch.zeros(4, 2, 4), None, 1.0)  # layer 1 reads layer 0's one-hot values
     assert [{j for j in range(4) if out[i, 0, j] > 0} for i in range(4)] == [{0}, {0, 1}, {1, 2}, {2, 3}]
     assert 1 not in attn.k
     with pytest.raises(ValueError, match="reads the KV of layer 0"):
-        attn(1, torch.zeros(1, 2, 4), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), 1.0)
+        attn(1, torch.zeros(1, 2, 4), torch.zeros(1, 2, 1, 4), 1.0)
     with pytest.raises(ValueError, match="owns its KV"):
-        attn(0, torch.zeros(1, 2, 4), None, None, 1.0)
+        attn(0, torch.zeros(1, 2, 4), None, 1.0)
 
 
 @torch.no_grad()
