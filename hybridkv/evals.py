@@ -1,4 +1,5 @@
-"""Score a prompt/answer jsonl through lm-eval against a running server (`local-completions`), offline.
+"""Score a prompt/answer jsonl through lm-eval against a running server (`local-completions`, or
+`local-chat-completions` through the model's chat template), offline.
 
 The task YAML is written next to a copy of the data in a temporary folder, so lm-eval needs no network.
 """
@@ -42,9 +43,15 @@ def write_task(folder: Path, data: Path, max_tokens: int = 8) -> Path:
 
 
 def lm_eval_server_accuracy(
-    base_url: str, model_name: str, data: Path, limit: int | None = None, num_concurrent: int = 8
+    base_url: str,
+    model_name: str,
+    data: Path,
+    limit: int | None = None,
+    num_concurrent: int = 8,
+    chat: bool = False,
 ) -> float:
-    """Exact-match accuracy of the server at `base_url` (e.g. http://127.0.0.1:8000) on `data`."""
+    """Exact-match accuracy of the server at `base_url` (e.g. http://127.0.0.1:8000) on `data`; `chat` sends
+    each prompt as one user message to /v1/chat/completions."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import lm_eval
@@ -52,14 +59,16 @@ def lm_eval_server_accuracy(
 
     with tempfile.TemporaryDirectory() as tmp:
         include = write_task(Path(tmp), data)
+        route = "chat/completions" if chat else "completions"
         results = lm_eval.simple_evaluate(
-            model="local-completions",
+            model="local-chat-completions" if chat else "local-completions",
             model_args=(
-                f"model={model_name},base_url={base_url}/v1/completions,num_concurrent={num_concurrent},"
+                f"model={model_name},base_url={base_url}/v1/{route},num_concurrent={num_concurrent},"
                 "tokenized_requests=False,tokenizer_backend=None"
             ),
             tasks=[TASK],
             task_manager=TaskManager(include_path=str(include)),
             limit=limit,
+            apply_chat_template=chat,
         )
     return results["results"][TASK]["exact_match,none"]

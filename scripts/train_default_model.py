@@ -161,6 +161,10 @@ def kv_owning_full_layers(config: Gemma4TextConfig) -> set[int]:
     return {i for i, t in enumerate(config.layer_types) if t == F and modes[i] != "reuse"}
 
 
+# The model is trained on raw kv_recall prompts, not dialogues: a chat renders its turns' text as that prompt.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -224,6 +228,7 @@ def main() -> None:
         bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id, newline], pad_token_id=tok.pad_token_id
     ).save_pretrained(args.out)
     tok.backend_tokenizer.no_padding()  # batching turned it on; a served tokenizer should not pad
+    tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(args.out)
     kv_recall.write_jsonl(args.out / "heldout.jsonl", HELDOUT_SIZE, HELDOUT_SEED)
     print(f"trained and saved to {args.out} in {time.perf_counter() - t0:.0f}s", flush=True)

@@ -25,6 +25,9 @@ def evaluate(
         str | None, typer.Option(help="score a running server (e.g. http://127.0.0.1:8000) through lm-eval instead")
     ] = None,
     served_model_name: Annotated[str | None, typer.Option(help="with --server: the model name it serves")] = None,
+    chat: Annotated[
+        bool, typer.Option(help="with --server: lm-eval local-chat-completions (the model's chat template)")
+    ] = False,
 ) -> None:
     import torch
     from rich.progress import Progress
@@ -41,8 +44,10 @@ def evaluate(
     if server:
         from hybridkv.evals import lm_eval_server_accuracy
 
-        acc = lm_eval_server_accuracy(server.rstrip("/"), served_model_name or folder.name, path, limit)
-        typer.echo(f"accuracy {acc:.4f} via lm-eval local-completions at {server}")
+        acc = lm_eval_server_accuracy(server.rstrip("/"), served_model_name or folder.name, path, limit, chat=chat)
+        typer.echo(
+            f"accuracy {acc:.4f} via lm-eval {'local-chat-completions' if chat else 'local-completions'} at {server}"
+        )
         return
     try:
         items = read_jsonl(path)[:limit]

@@ -18,7 +18,7 @@ from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
 from hybridkv.kv.planner import CacheConfig, plan_kv_cache
 from hybridkv.models.registry import load_model
 from hybridkv.runner.model_runner import ModelRunner
-from hybridkv.runner.sampler import sample
+from hybridkv.runner.sampler import sample, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,11 @@ class LLMEngine:
             for r in reqs
         ]
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], banned)
+        wants = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+        if wants:
+            rows = token_logprobs(logits[wants], [tokens[i] for i in wants], [reqs[i].params.logprobs for i in wants])
+            for i, row in zip(wants, rows):
+                reqs[i].logprobs.append(row)
         finished = self.scheduler.update(output, dict(zip(req_ids, tokens)))
         finished += self._check_stop_strings([r for r in reqs if not r.status.finished])
         return finished

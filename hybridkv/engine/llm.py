@@ -9,6 +9,7 @@ from typing import Any
 from hybridkv.engine.config import DEFAULT_MODEL_DIR, EngineConfig
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.runner.sampler import TokenLogprob
 
 
 @dataclass
@@ -18,6 +19,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None  # set when SamplingParams.logprobs is
 
 
 @dataclass
@@ -54,7 +56,11 @@ class LLM:
                 r.request_id,
                 p if isinstance(p, str) else None,
                 r.prompt_token_ids,
-                [CompletionOutput(0, self.engine.output_text(r), r.output_token_ids, r.status.value, r.stop_reason)],
+                [
+                    CompletionOutput(
+                        0, self.engine.output_text(r), r.output_token_ids, r.status.value, r.stop_reason, r.logprobs
+                    )
+                ],
             )
             for r, p in zip(reqs, prompts)
         ]

@@ -9,6 +9,7 @@ import torch
 
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.kv.hashing import BlockHash, hash_blocks
+from hybridkv.runner.sampler import TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +50,7 @@ class Request:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.block_hashes: list[BlockHash] = []
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -21,6 +21,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (for logprobs)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
 
 def eos_token_ids(model_dir: str | Path, hf_config: dict) -> tuple[int, ...]:
     """EOS ids from generation_config.json, else config.json (an int or a list in either)."""

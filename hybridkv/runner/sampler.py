@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -35,3 +36,22 @@ def sample(
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
         out[i] = int(torch.multinomial(probs.cpu(), 1, generator=generators[i]).item())
     return out
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model's raw distribution, and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: Sequence[int]) -> list[TokenLogprob]:
+    """logits [M, vocab] (before temperature or bans), the M sampled tokens, how many alternatives per row."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    k = max(top, default=0)
+    values, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    values, ids = values.tolist(), ids.tolist()
+    return [TokenLogprob(t, c, tuple(zip(i[:n], v[:n]))) for t, c, i, v, n in zip(tokens, chosen, ids, values, top)]

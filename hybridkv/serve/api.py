@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from hybridkv.runner.sampler import TokenLogprob
 from hybridkv.serve.async_engine import AsyncEngine, Update
 from hybridkv.serve.chat import render_chat
 from hybridkv.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
@@ -49,6 +51,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from e
 
+    def token_text(token_id: int) -> str:
+        tokenizer = engine.engine.tokenizer
+        return str(token_id) if tokenizer is None else tokenizer.token_text(token_id)
+
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
@@ -65,8 +71,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     async def completions(request: Request):
         req = parse(CompletionRequest, await body(request))
         check_model(req.model)
-        if req.echo or req.logprobs:
-            raise APIError(400, "echo and logprobs are not supported yet", param="logprobs")
+        if req.echo:
+            raise APIError(400, "echo=true is not supported: the response holds the completion only", param="echo")
         batch = isinstance(req.prompt, list) and bool(req.prompt) and isinstance(req.prompt[0], str)
         prompts = req.prompt if batch else [req.prompt]
         if req.stream and len(prompts) > 1:
@@ -76,11 +82,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         meta = _meta("cmpl", "text_completion", model_name)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return _sse(engine.generate(ids[0], params), meta, chat=False, usage=usage)
+            return _sse(engine.generate(ids[0], params), meta, chat=False, usage=usage, token_text=token_text)
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
         for i, p in enumerate(ids):
-            text, last = await _collect(engine.generate(p, params))
-            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": last.finish_reason})
+            text, last, entries = await _collect(engine.generate(p, params))
+            lp = None if params.logprobs is None else completion_logprobs(entries, token_text)
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": last.finish_reason})
             usage["prompt_tokens"] += last.num_prompt_tokens
             usage["completion_tokens"] += last.num_output_tokens
         return meta | {"choices": choices, "usage": _usage(usage)}
@@ -96,7 +103,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
             usage = req.stream_options is not None and req.stream_options.include_usage
             chunk_meta = meta | {"object": "chat.completion.chunk"}
             return _sse(engine.generate(ids, params), chunk_meta, chat=True, usage=usage)
-        text, last = await _collect(engine.generate(ids, params))
+        text, last, _ = await _collect(engine.generate(ids, params))
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason}
         counts = {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens}
         return meta | {"choices": [choice], "usage": _usage(counts)}
@@ -116,23 +123,48 @@ def _usage(counts: dict[str, int]) -> dict[str, int]:
     return counts | {"total_tokens": counts["prompt_tokens"] + counts["completion_tokens"]}
 
 
-async def _collect(updates: AsyncIterator[Update]) -> tuple[str, Update]:
-    text, last = "", None
+async def _collect(updates: AsyncIterator[Update]) -> tuple[str, Update, list[TokenLogprob]]:
+    text, last, logprobs = "", None, []
     async for u in updates:
         text, last = text + u.text, u
+        logprobs += u.logprobs or []
     assert last is not None
-    return text, last
+    return text, last, logprobs
 
 
-def _sse(updates: AsyncIterator[Update], meta: dict, chat: bool, usage: bool) -> StreamingResponse:
+def completion_logprobs(
+    entries: list[TokenLogprob], token_text: Callable[[int], str], offset: int = 0
+) -> dict[str, list[Any]]:
+    """The legacy completions `logprobs` object: per token its text, logprob, top alternatives and offset."""
+    tokens = [token_text(e.token_id) for e in entries]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{token_text(t): lp for t, lp in e.top or ((e.token_id, e.logprob),)} for e in entries],
+        "text_offset": offsets if tokens else [],
+    }
+
+
+def _sse(
+    updates: AsyncIterator[Update],
+    meta: dict,
+    chat: bool,
+    usage: bool,
+    token_text: Callable[[int], str] | None = None,
+) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
-        first = True
+        first, offset = True, 0
         async for u in updates:
             if chat:
                 delta = {"content": u.text} | ({"role": "assistant"} if first else {})
                 choice = {"index": 0, "delta": delta, "finish_reason": u.finish_reason}
             else:
-                choice = {"index": 0, "text": u.text, "logprobs": None, "finish_reason": u.finish_reason}
+                lp = None
+                if u.logprobs is not None and token_text is not None:
+                    lp = completion_logprobs(u.logprobs, token_text, offset)
+                choice = {"index": 0, "text": u.text, "logprobs": lp, "finish_reason": u.finish_reason}
+                offset += len(u.text)
             first = False
             yield f"data: {json.dumps(meta | {'choices': [choice]})}\n\n"
             if u.finished and usage:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.engine.request import Request
 from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.runner.sampler import TokenLogprob
 from hybridkv.serve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class Update:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # of `token_ids`, when the request asked for them
 
 
 @dataclass
@@ -158,6 +160,7 @@ class AsyncEngine:
                 req.status.value if finished else None,
                 req.num_prompt_tokens,
                 len(req.output_token_ids),
+                None if req.logprobs is None else req.logprobs[s.sent_tokens :],
             )
             s.sent_tokens, s.sent_text = len(req.output_token_ids), text
             self._send(rid, update)

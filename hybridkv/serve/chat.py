@@ -1,4 +1,5 @@
-"""Chat prompts: the tokenizer's own chat template (tokenizer_config.json) when it has one, else a plain one."""
+"""Chat prompts: the tokenizer's own chat template when it has one (chat_template.jinja, as transformers saves it,
+or tokenizer_config.json's `chat_template`), else a plain one."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from hybridkv.serve.protocol import APIError
 def _template(model_dir: str) -> tuple[str | None, dict]:
     path = Path(model_dir) / "tokenizer_config.json"
     cfg = json.loads(path.read_text()) if path.is_file() else {}
-    template = cfg.get("chat_template")
+    jinja = Path(model_dir) / "chat_template.jinja"
+    template = jinja.read_text() if jinja.is_file() else cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     specials = {k: cfg.get(k) or "" for k in ("bos_token", "eos_token")}
     return (template if isinstance(template, str) else None), specials
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -50,6 +50,7 @@ class _Sampling(BaseModel):
                 stop=tuple(stop),
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
+                logprobs=getattr(self, "logprobs", None),
             )
         except ValueError as e:
             raise APIError(400, str(e)) from e
@@ -58,7 +59,7 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class ChatMessage(BaseModel):

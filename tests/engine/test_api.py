@@ -120,3 +120,25 @@ def test_eval_scores_exact_matches(folder, llm, tmp_path):
         )
         assert r.returncode == 0, r.stderr
         assert expect in r.stdout
+
+
+def test_logprobs_are_the_models_log_softmax(llm, folder):
+    """Greedy tokens with logprobs=3: each token's logprob is the log-softmax of transformers' logits at that step,
+    it tops the alternatives, and the alternatives come most likely first."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    ids = llm.engine.tokenize("the quick brown")
+    out = llm.generate([ids], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3))[0].outputs[0]
+    assert [e.token_id for e in out.logprobs] == out.token_ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1 : -1]
+    expected = torch.log_softmax(logits, -1)
+    for step, e in enumerate(out.logprobs):
+        assert e.logprob == pytest.approx(expected[step, e.token_id].item(), abs=1e-4)
+        assert len(e.top) == 3 and e.top[0] == (e.token_id, e.logprob)
+        assert [lp for _, lp in e.top] == sorted((lp for _, lp in e.top), reverse=True)
+    assert llm.generate([ids], SamplingParams(max_tokens=2))[0].outputs[0].logprobs is None
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)

@@ -22,6 +22,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read() if proc.stdout else proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server did not start in {timeout:.0f} s")
+
+
 def start_server(folder, *extra: str) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
@@ -42,18 +56,7 @@ def start_server(folder, *extra: str) -> Iterator[str]:
         text=True,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start in 90 s")
+    wait_healthy(url, proc)
     try:
         yield url
     finally:
@@ -127,6 +130,22 @@ def test_chat_with_the_openai_client(url):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == full.choices[0].message.content
 
 
+def test_completion_logprobs_stream_and_not(url):
+    body = {"prompt": "the quick brown", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    full = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    lp = full["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
+    assert "".join(lp["tokens"]) == full["text"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(6)]
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert value < 0 and len(top) <= 2 and top[token] == value == max(top.values())  # greedy: the top token
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=60) as s:
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    streamed = [c["logprobs"] for e in events for c in e["choices"] if c["logprobs"]]
+    assert [v for x in streamed for v in x["token_logprobs"]] == lp["token_logprobs"]
+    assert [v for x in streamed for v in x["text_offset"]] == lp["text_offset"]
+
+
 @pytest.mark.parametrize(
     ("payload", "status", "text"),
     [
@@ -140,6 +159,8 @@ def test_chat_with_the_openai_client(url):
         ({"prompt": [1, 2, 99999]}, 400, "token ids"),
         ({"prompt": ""}, 400, "empty"),
         ({}, 400, "prompt"),
+        ({"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+        ({"prompt": "hi", "echo": True}, 400, "echo"),
     ],
 )
 def test_bad_requests_get_a_4xx_with_an_openai_error_body(url, payload, status, text):
@@ -241,3 +262,30 @@ def test_metrics_expose_tokens_cache_and_latency(url):
     assert m["hybridkv_time_to_first_token_seconds_count"] >= 2
     assert m["hybridkv_inter_token_latency_seconds_count"] >= 4
     assert all(v == 0 for k, v in m.items() if k.startswith("hybridkv_kv_group_blocks_used"))
+
+
+def test_lm_eval_on_the_embedded_model_through_the_server(tmp_path):
+    """The CI subset of the accuracy harness: the embedded model's held-out items through lm-eval's
+    local-completions and local-chat-completions score what the in-process engine scores, and >= 0.9."""
+    pytest.importorskip("lm_eval")
+    from hybridkv.engine.config import DEFAULT_MODEL_DIR
+    from hybridkv.evals import lm_eval_server_accuracy
+    from hybridkv.tasks.kv_recall import read_jsonl, score
+
+    items = read_jsonl(DEFAULT_MODEL_DIR / "heldout.jsonl")[:24]
+    data = tmp_path / "subset.jsonl"
+    data.write_text("".join(json.dumps(it) + "\n" for it in items))
+    outs = LLM().generate([it["prompt"] for it in items], SamplingParams(max_tokens=8, temperature=0, stop=["\n"]))
+    in_process = sum(score(o.outputs[0].text, it["answer"]) for o, it in zip(outs, items)) / len(items)
+    assert in_process >= 0.9
+    port = free_port()
+    proc = subprocess.Popen(["hybridkv", "serve", "--port", str(port), "--threads", "1"], stdout=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc)
+        name = DEFAULT_MODEL_DIR.name
+        assert lm_eval_server_accuracy(url, name, data) == pytest.approx(in_process)
+        assert lm_eval_server_accuracy(url, name, data, chat=True) == pytest.approx(in_process)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
