@@ -8,6 +8,7 @@ from hybridkv.cli.bench import app as bench_app
 from hybridkv.cli.eval import evaluate
 from hybridkv.cli.generate import generate
 from hybridkv.cli.plan import plan
+from hybridkv.cli.proxy import proxy
 from hybridkv.cli.serve import serve
 
 app = typer.Typer(
@@ -27,6 +28,10 @@ def main() -> None:
 app.command(help="Generate text from prompts, streaming tokens to the terminal.")(generate)
 app.command("eval", help="Score a held-out set of prompts and answers, greedy, in-process.")(evaluate)
 app.command(help="Serve the OpenAI-compatible API (completions, chat, streaming, metrics).")(serve)
+app.command(
+    help="Prefill/decode proxy: --prefill URL [URL...] --decode URL [URL...] [--host H] [--port 8192].",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)(proxy)
 app.command(help="Plan the KV cache of a model: groups, layout, blocks and how many requests fit.")(plan)
 
 app.add_typer(bench_app, name="bench")

@@ -23,6 +23,13 @@ def serve(
     max_model_len: Annotated[int | None, typer.Option()] = None,
     max_num_seqs: Annotated[int, typer.Option()] = 128,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    kv_transfer_config: Annotated[
+        str | None,
+        typer.Option(
+            help='connector JSON, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both",'
+            '"kv_connector_extra_config":{"side_channel_port":5600}}\''
+        ),
+    ] = None,
 ) -> None:
     from pathlib import Path
 
@@ -46,10 +53,15 @@ def serve(
                 kv_cache_memory=kv_cache_memory,
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
+                kv_transfer_config=kv_transfer_config,
             )
         )
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
-    app = build_app(AsyncEngine(engine), served_model_name or Path(folder).name, api_key)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    async_engine = AsyncEngine(engine)
+    app = build_app(async_engine, served_model_name or Path(folder).name, api_key)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        async_engine.stop()

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import hybridkv.connectors  # noqa: F401  (registers the connectors)
+from hybridkv.connectors.base import KVTransferConfig
 from hybridkv.kv.layout import KV_LAYOUTS
 from hybridkv.units import parse_bytes
 
@@ -25,6 +27,8 @@ class EngineConfig:
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict, hash=False)
+    # vLLM's --kv-transfer-config: a connector (PD, offloading). Its extra config also feeds the layout choice.
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:
@@ -32,3 +36,11 @@ class EngineConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if self.kv_transfer_config is not None and not isinstance(self.kv_transfer_config, KVTransferConfig):
+            object.__setattr__(self, "kv_transfer_config", KVTransferConfig.parse(self.kv_transfer_config))
+
+    @property
+    def extra_config(self) -> dict[str, Any]:
+        """kv_connector_extra_config, merged with the connector's own (which wins)."""
+        own = self.kv_transfer_config.kv_connector_extra_config if self.kv_transfer_config else {}
+        return {**self.kv_connector_extra_config, **own}

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import uuid
 
 import torch
 
+from hybridkv.connectors.base import CONNECTORS, EngineIdentity, KVConnector
+from hybridkv.connectors.fingerprint import model_fingerprint
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.engine.sampling_params import SamplingParams
@@ -38,15 +41,20 @@ class LLMEngine:
                 max_model_len=max_len,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 kv_layout=config.kv_layout,
-                enable_cross_layers_blocks=cross_layers_enabled(config.kv_connector_extra_config),
+                enable_cross_layers_blocks=cross_layers_enabled(config.extra_config),
             ),
         )
         self.model = load_model(config.model, dtype=config.dtype, device=self.device)
         self.kv = KVCacheCoordinator(self.plan, enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.kv, SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len)
-        )
         self.runner = ModelRunner(self.model, self.plan, self.device)
+        self.connector: KVConnector | None = None
+        if config.kv_transfer_config is not None:
+            identity = EngineIdentity(uuid.uuid4().hex, model_fingerprint(config.model), config.dtype)
+            self.connector = CONNECTORS[config.kv_transfer_config.kv_connector](config.kv_transfer_config, identity)
+            self.connector.register(self.plan, self.runner.memory)
+        self.scheduler = Scheduler(
+            self.kv, SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len), self.connector
+        )
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(config.model)
         except ValueError:
@@ -62,11 +70,20 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> Request:
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
-        req = Request(request_id or f"req-{next(self._ids)}", ids, params, self.plan.block_size, self.eos_token_ids)
+        if kv_transfer_params and self.connector is None:
+            raise ValueError("kv_transfer_params need a server started with --kv-transfer-config")
+        rid = request_id or f"req-{next(self._ids)}"
+        req = Request(rid, ids, params, self.plan.block_size, self.eos_token_ids, kv_transfer_params=kv_transfer_params)
         self.scheduler.add(req)
         return req
 
@@ -79,8 +96,11 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """One schedule -> run -> update. Returns the requests that finished in this step."""
         output = self.scheduler.schedule()
+        failed, self.scheduler.failed = self.scheduler.failed, []
         if output.is_empty:
-            return []
+            if self.connector is not None and not failed:
+                self.connector.wait(0.002)  # loads in flight: let them progress without spinning
+            return failed
         req_ids, logits = self.runner.run(output)
         reqs = [self.scheduler.requests[r] for r in req_ids]
         banned = [
@@ -95,7 +115,7 @@ class LLMEngine:
                 reqs[i].logprobs.append(row)
         finished = self.scheduler.update(output, dict(zip(req_ids, tokens)))
         finished += self._check_stop_strings([r for r in reqs if not r.status.finished])
-        return finished
+        return failed + finished
 
     def _check_stop_strings(self, reqs: list[Request]) -> list[Request]:
         done = []

@@ -14,14 +14,16 @@ from hybridkv.runner.sampler import TokenLogprob
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks allocated; a connector is loading their KV
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # e.g. a KV load failed under kv_load_failure_policy=fail
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("stop", "length", "abort", "error")
 
 
 class Request:
@@ -35,6 +37,7 @@ class Request:
         block_size: int,
         eos_token_ids: tuple[int, ...] = (),
         cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -54,6 +57,11 @@ class Request:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+        # Connector state: what the client sent, how many tokens a connector is loading, what goes back.
+        self.kv_transfer_params = kv_transfer_params
+        self.num_external_tokens = 0
+        self.kv_transfer_params_out: dict | None = None
+        self.error: str | None = None
         self._update_hashes()
 
     @property

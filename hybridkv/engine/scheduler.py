@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hybridkv.engine.output import ScheduledChunk, SchedulerOutput
 from hybridkv.engine.request import Request, RequestStatus
-from hybridkv.kv.coordinator import KVCacheCoordinator
+from hybridkv.kv.coordinator import KVCacheCoordinator, PrefixHit
+
+if TYPE_CHECKING:
+    from hybridkv.connectors.base import ConnectorEvents, KVConnector
 
 
 @dataclass
@@ -16,6 +20,8 @@ class SchedulerStats:
     generation_tokens: int = 0
     prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admission
     prefix_hit_tokens: int = 0
+    external_hit_tokens: int = 0  # prompt tokens loaded by a connector instead of computed
+    kv_load_failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -33,16 +39,21 @@ class SchedulerConfig:
 class Scheduler:
     """Running requests are served first, in admission order (decode and unfinished prefill chunks); then
     waiting requests are admitted while the budget and the KV cache allow. When blocks run out, the most
-    recently admitted running request is preempted: its blocks are freed and it is recomputed later."""
+    recently admitted running request is preempted: its blocks are freed and it is recomputed later.
+    With a connector, a request whose prompt KV can be loaded gets its blocks and waits in `waiting_for_kv`
+    until the load finishes, then runs from its last prompt token."""
 
-    def __init__(self, kv: KVCacheCoordinator, config: SchedulerConfig) -> None:
+    def __init__(self, kv: KVCacheCoordinator, config: SchedulerConfig, connector: KVConnector | None = None) -> None:
         self.kv = kv
         self.config = config
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.waiting_for_kv: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.stats = SchedulerStats()
+        self.failed: list[Request] = []  # finished with an error since the engine last collected them
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -56,7 +67,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_kv)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
@@ -77,6 +88,8 @@ class Scheduler:
         )
 
     def schedule(self) -> SchedulerOutput:
+        if self.connector is not None:
+            self.apply(self.connector.poll())
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -99,6 +112,11 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hit = self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
+            external = self.connector.num_external_tokens(req, hit.num_tokens) if self.connector else 0
+            if external:
+                if not self._start_load(req, hit, external):
+                    break
+                continue
             n = min(req.num_tokens - hit.num_tokens, budget)
             if not self.kv.allocate(req.request_id, hit.num_tokens + n, hit.num_tokens, hit):
                 break
@@ -114,6 +132,52 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(chunks, preempted)
 
+    def _start_load(self, req: Request, hit: PrefixHit, external: int) -> bool:
+        """Allocate the whole prompt (loaded tokens outside a sliding window take no block) and hand the
+        blocks to the connector."""
+        rid = req.request_id
+        if not self.kv.allocate(rid, req.num_tokens, hit.num_tokens + external, hit):
+            return False
+        self.waiting.popleft()
+        self.stats.prefix_query_tokens += req.num_tokens
+        self.stats.prefix_hit_tokens += hit.num_tokens
+        self.stats.prompt_tokens += req.num_prompt_tokens
+        req.num_computed_tokens, req.num_external_tokens = hit.num_tokens, external
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.waiting_for_kv[rid] = req
+        assert self.connector is not None
+        self.connector.start_load(req, self.kv.block_ids(rid), hit.num_tokens)
+        return True
+
+    def apply(self, events: ConnectorEvents) -> None:
+        """Finished loads run (from the last prompt token) or fall back; released blocks are freed."""
+        for rid, ok in events.loaded.items():
+            req = self.waiting_for_kv.pop(rid, None)
+            if req is None:
+                continue
+            req.kv_transfer_params = None  # one load per request; a preempted request recomputes
+            if ok:
+                req.num_computed_tokens += req.num_external_tokens
+                self.stats.external_hit_tokens += req.num_external_tokens
+                self.kv.cache_blocks(rid, req.block_hashes, req.num_computed_tokens)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                continue
+            self.stats.kv_load_failures += 1
+            if self.connector is not None and self.connector.load_failure_policy == "fail":
+                req.error = events.errors.get(rid, "KV load failed")
+                self.requests.pop(rid, None)
+                self.kv.free(rid)
+                req.status = RequestStatus.FINISHED_ERROR
+                self.failed.append(req)
+                continue
+            self.kv.free(rid)  # the transfer is over: recompute the prompt locally from scratch
+            req.num_computed_tokens, req.num_external_tokens = 0, 0
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+        for rid in events.released:
+            self.kv.free(rid)
+
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Record a step: computed tokens, sampled tokens, finished requests (their blocks are freed)."""
         finished = []
@@ -123,6 +187,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             req.num_computed_tokens += len(chunk.token_ids)
             self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+            if self.connector is not None:
+                self.connector.blocks_computed(req, self.kv.block_ids(req.request_id), req.num_computed_tokens)
             if not chunk.sample:
                 continue
             token = sampled[req.request_id]
@@ -148,10 +214,17 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        loading = self.waiting_for_kv.pop(request_id, None) is not None
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(request_id)
         req.status = status
+        hold = False
+        if self.connector is not None and loading:
+            hold = not self.connector.abort(request_id)  # a transfer may still write these blocks
+        elif self.connector is not None:
+            hold, req.kv_transfer_params_out = self.connector.request_finished(req, self.kv.block_ids(request_id))
+        if not hold:
+            self.kv.free(request_id)
         return req

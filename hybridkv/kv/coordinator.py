@@ -62,7 +62,10 @@ class KVCacheCoordinator:
         for m in self.managers:
             m.remove_skipped_blocks(req_id, num_computed_tokens)
         hit_blocks = hit.blocks if hit is not None else tuple(() for _ in self.managers)
-        need = sum(m.num_blocks_to_allocate(req_id, num_tokens, h) for m, h in zip(self.managers, hit_blocks))
+        need = sum(
+            m.num_blocks_to_allocate(req_id, num_tokens, h, num_computed_tokens)
+            for m, h in zip(self.managers, hit_blocks)
+        )
         if need > self.pool.num_free_blocks:
             return False
         if hit is not None:
@@ -70,7 +73,7 @@ class KVCacheCoordinator:
             for m, h in zip(self.managers, hit_blocks):
                 m.add_hit_blocks(req_id, h)
         for m in self.managers:
-            m.allocate(req_id, num_tokens)
+            m.allocate(req_id, num_tokens, num_computed_tokens)
         return True
 
     def cache_blocks(self, req_id: str, hashes: Sequence[BlockHash], num_tokens: int) -> None:

@@ -33,12 +33,17 @@ class GroupManager:
     def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
         """Free blocks that no token after `num_computed_tokens` reads, replacing them with the null block."""
 
-    def num_blocks_to_allocate(self, req_id: str, num_tokens: int, hit: Sequence[Block]) -> int:
+    def num_blocks_to_allocate(
+        self, req_id: str, num_tokens: int, hit: Sequence[Block], num_computed_tokens: int = 0
+    ) -> int:
         """Free-queue blocks needed to cover `num_tokens` tokens: new blocks plus hit blocks that sit in the
-        free queue (a hit revives them)."""
-        held = len(self.tables.get(req_id, ())) + len(hit)
+        free queue (a hit revives them). Entries no token after `num_computed_tokens` reads take no block."""
+        held = max(len(self.tables.get(req_id, ())) + len(hit), self._first_needed(num_computed_tokens))
         revived = sum(1 for b in hit if b.ref_cnt == 0 and b is not self.pool.null_block)
         return max(0, cdiv(num_tokens, self.block_size) - held) + revived
+
+    def _first_needed(self, num_computed_tokens: int) -> int:
+        return self.spec.num_skipped_tokens(num_computed_tokens) // self.block_size
 
     def add_hit_blocks(self, req_id: str, hit: Sequence[Block]) -> None:
         assert req_id not in self.tables, f"request {req_id} already has blocks; hits apply to new requests"
@@ -46,9 +51,14 @@ class GroupManager:
         self.tables[req_id] = list(hit)
         self.num_cached[req_id] = len(hit)
 
-    def allocate(self, req_id: str, num_tokens: int) -> list[Block]:
+    def allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int = 0) -> list[Block]:
+        """Extend the table to cover `num_tokens` tokens. A new table whose first `num_computed_tokens` come
+        from elsewhere (loaded, not computed) gets the null block where no later token reads."""
         table = self.tables.setdefault(req_id, [])
         self.num_cached.setdefault(req_id, 0)
+        skipped = min(self._first_needed(num_computed_tokens), cdiv(num_tokens, self.block_size))
+        if len(table) < skipped:
+            table.extend([self.pool.null_block] * (skipped - len(table)))
         new = self.pool.get_new_blocks(max(0, cdiv(num_tokens, self.block_size) - len(table)))
         table.extend(new)
         return new

@@ -63,6 +63,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "hybridkv"}]}
 
+    @app.get("/admin/kv")
+    async def kv_state() -> dict:
+        return await engine.kv_state()
+
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(engine.metrics_text(), media_type="text/plain; version=0.0.4")
@@ -82,15 +86,22 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         meta = _meta("cmpl", "text_completion", model_name)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return _sse(engine.generate(ids[0], params), meta, chat=False, usage=usage, token_text=token_text)
+            return _sse(
+                engine.generate(ids[0], params, req.kv_transfer_params),
+                meta,
+                chat=False,
+                usage=usage,
+                token_text=token_text,
+            )
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
         for i, p in enumerate(ids):
-            text, last, entries = await _collect(engine.generate(p, params))
+            text, last, entries = await _collect(engine.generate(p, params, req.kv_transfer_params))
             lp = None if params.logprobs is None else completion_logprobs(entries, token_text)
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": last.finish_reason})
             usage["prompt_tokens"] += last.num_prompt_tokens
             usage["completion_tokens"] += last.num_output_tokens
-        return meta | {"choices": choices, "usage": _usage(usage)}
+        extra = {"kv_transfer_params": last.kv_transfer_params} if last.kv_transfer_params else {}
+        return meta | {"choices": choices, "usage": _usage(usage)} | extra
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -102,11 +113,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             chunk_meta = meta | {"object": "chat.completion.chunk"}
-            return _sse(engine.generate(ids, params), chunk_meta, chat=True, usage=usage)
-        text, last, _ = await _collect(engine.generate(ids, params))
+            return _sse(engine.generate(ids, params, req.kv_transfer_params), chunk_meta, chat=True, usage=usage)
+        text, last, _ = await _collect(engine.generate(ids, params, req.kv_transfer_params))
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason}
         counts = {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens}
-        return meta | {"choices": [choice], "usage": _usage(counts)}
+        extra = {"kv_transfer_params": last.kv_transfer_params} if last.kv_transfer_params else {}
+        return meta | {"choices": [choice], "usage": _usage(counts)} | extra
 
     return app
 
@@ -125,9 +137,12 @@ def _usage(counts: dict[str, int]) -> dict[str, int]:
 
 async def _collect(updates: AsyncIterator[Update]) -> tuple[str, Update, list[TokenLogprob]]:
     text, last, logprobs = "", None, []
-    async for u in updates:
-        text, last = text + u.text, u
-        logprobs += u.logprobs or []
+    try:
+        async for u in updates:
+            text, last = text + u.text, u
+            logprobs += u.logprobs or []
+    except RuntimeError as e:  # the engine failed the request (e.g. a KV load under policy "fail")
+        raise APIError(502, str(e), "server_error") from e
     assert last is not None
     return text, last, logprobs
 
@@ -154,6 +169,14 @@ def _sse(
     token_text: Callable[[int], str] | None = None,
 ) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks():
+                yield chunk
+        except RuntimeError as e:
+            yield f"data: {json.dumps(APIError(502, str(e), 'server_error').body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def chunks() -> AsyncIterator[str]:
         first, offset = True, 0
         async for u in updates:
             if chat:
@@ -170,6 +193,5 @@ def _sse(
             if u.finished and usage:
                 counts = {"prompt_tokens": u.num_prompt_tokens, "completion_tokens": u.num_output_tokens}
                 yield f"data: {json.dumps(meta | {'choices': [], 'usage': _usage(counts)})}\n\n"
-        yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

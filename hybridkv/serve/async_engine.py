@@ -35,6 +35,7 @@ class Update:
     num_prompt_tokens: int
     num_output_tokens: int
     logprobs: list[TokenLogprob] | None = None  # of `token_ids`, when the request asked for them
+    kv_transfer_params: dict | None = None  # from a connector, on the last update (PD prefill)
 
 
 @dataclass
@@ -56,6 +57,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stopped = False
         self.metrics = EngineMetrics()
+        if engine.connector is not None:
+            engine.connector.set_waker(self._wake.set)
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._thread.start()
 
@@ -63,6 +66,8 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if self.engine.connector is not None:
+            self.engine.connector.shutdown()
 
     def check_prompt(self, prompt: str | list[int]) -> list[int]:
         """Tokenize and validate on the caller's side, so bad requests fail before they reach the engine."""
@@ -77,12 +82,14 @@ class AsyncEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Update]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, kv_transfer_params: dict | None = None
+    ) -> AsyncIterator[Update]:
         """Stream a request's updates. Leaving the loop early (a client that went away) aborts it."""
         request_id = f"cmpl-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._post(("add", request_id, prompt_ids, params))
+        self._post(("add", request_id, prompt_ids, params, kv_transfer_params))
         finished = False
         try:
             while not finished:
@@ -95,6 +102,13 @@ class AsyncEngine:
             if not finished:
                 self._post(("abort", request_id))
 
+    async def kv_state(self) -> dict:
+        """Block usage, the connector's holds and a check_integrity() verdict, read on the engine thread."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[dict] = loop.create_future()
+        self._post(("inspect", loop, future))
+        return await future
+
     def metrics_text(self) -> str:
         return self.metrics.render(self.engine)
 
@@ -106,8 +120,11 @@ class AsyncEngine:
         while not self._stopped:
             self._drain_inbox()
             if not self.engine.has_unfinished():
-                self._wake.wait()
+                connector = self.engine.connector
+                self._wake.wait(connector.next_deadline() if connector else None)
                 self._wake.clear()
+                if connector is not None:
+                    self.engine.scheduler.apply(connector.poll())  # releases and expired leases
                 continue
             try:
                 self.engine.step()
@@ -126,17 +143,36 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, rid, ids, params = command
+                _, rid, ids, params, kv_params = command
                 if rid not in self._streams:
                     continue  # the client left before its request started
                 try:
-                    self._streams[rid].request = self.engine.add_request(ids, params, request_id=rid)
+                    self._streams[rid].request = self.engine.add_request(ids, params, rid, kv_params)
                 except ValueError as e:
                     self._send(rid, e)
+            elif command[0] == "inspect":
+                _, loop, future = command
+                loop.call_soon_threadsafe(future.set_result, self._kv_state())
             else:
                 rid = command[1]
                 self.engine.abort(rid)
                 self._streams.pop(rid, None)
+
+    def _kv_state(self) -> dict:
+        kv, s = self.engine.kv, self.engine.scheduler
+        try:
+            kv.check_integrity()
+            integrity = "ok"
+        except AssertionError as e:
+            integrity = f"violated: {e}"
+        connector = self.engine.connector.metrics() if self.engine.connector else {}
+        return {
+            "blocks_used": kv.pool.num_used_blocks,
+            "blocks_free": kv.pool.num_free_blocks,
+            "requests": {"running": len(s.running), "waiting": len(s.waiting), "waiting_for_kv": len(s.waiting_for_kv)},
+            "connector": connector,
+            "integrity": integrity,
+        }
 
     def _publish(self) -> None:
         for rid, s in list(self._streams.items()):
@@ -153,6 +189,9 @@ class AsyncEngine:
                     self.metrics.itl.observe((now - s.last_token_time) / len(new_ids))
                 s.last_token_time = now
             finished = req.status.finished
+            if req.error is not None and finished:
+                self._send(rid, RuntimeError(req.error))
+                continue
             update = Update(
                 new_ids,
                 text[len(s.sent_text) :],
@@ -161,6 +200,7 @@ class AsyncEngine:
                 req.num_prompt_tokens,
                 len(req.output_token_ids),
                 None if req.logprobs is None else req.logprobs[s.sent_tokens :],
+                req.kv_transfer_params_out if finished else None,
             )
             s.sent_tokens, s.sent_text = len(req.output_token_ids), text
             self._send(rid, update)

@@ -56,6 +56,11 @@ class EngineMetrics:
             f"hybridkv_generation_tokens_total {stats.generation_tokens}",
             "# TYPE hybridkv_preemptions_total counter",
             f"hybridkv_preemptions_total {s.num_preemptions}",
+            "# TYPE hybridkv_external_hit_tokens_total counter",
+            f"hybridkv_external_hit_tokens_total {stats.external_hit_tokens}",
+            "# TYPE hybridkv_kv_load_failures_total counter",
+            f"hybridkv_kv_load_failures_total {stats.kv_load_failures}",
+            *(f"hybridkv_{k} {v}" for k, v in (engine.connector.metrics() if engine.connector else {}).items()),
             *self.ttft.lines("hybridkv_time_to_first_token_seconds"),
             *self.itl.lines("hybridkv_inter_token_latency_seconds"),
         ]

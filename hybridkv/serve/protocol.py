@@ -37,6 +37,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+    kv_transfer_params: dict[str, Any] | None = None  # prefill/decode disaggregation (vLLM's field)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])

@@ -1,0 +1,40 @@
+"""`hybridkv proxy`: route each request through a prefill instance, then a decode instance."""
+
+from __future__ import annotations
+
+import typer
+
+
+def proxy(ctx: typer.Context) -> None:
+    """--prefill URL [URL...] --decode URL [URL...] [--host 127.0.0.1] [--port 8192]"""
+    import uvicorn
+
+    from hybridkv.serve.proxy import build_proxy
+
+    try:
+        opts = parse_args(ctx.args)
+        app = build_proxy(opts["--prefill"], opts["--decode"])
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    uvicorn.run(app, host=opts["--host"][0], port=int(opts["--port"][0]), log_level="warning")
+
+
+def parse_args(args: list[str]) -> dict[str, list[str]]:
+    """`--prefill a b --decode c` style lists (each flag may also repeat, or take comma-separated URLs)."""
+    opts: dict[str, list[str]] = {"--prefill": [], "--decode": [], "--host": [], "--port": []}
+    current = None
+    for arg in args:
+        if arg.startswith("--"):
+            if arg not in opts:
+                raise ValueError(f"unknown option {arg}; options: {', '.join(opts)}")
+            current = arg
+            continue
+        if current is None:
+            raise ValueError(f"unexpected argument {arg!r}")
+        opts[current] += [a.rstrip("/") for a in arg.split(",") if a]
+    opts["--host"] = opts["--host"][-1:] or ["127.0.0.1"]
+    opts["--port"] = opts["--port"][-1:] or ["8192"]
+    if not opts["--port"][0].isdigit():
+        raise ValueError(f"--port must be a number, got {opts['--port'][0]!r}")
+    return opts

@@ -1,0 +1,161 @@
+"""The connector interface: how KV moves between this engine and something outside it (a peer instance, a CPU or
+disk tier).
+
+A connector hooks into the scheduler at three points (what can be loaded for a new request, after its blocks are
+allocated, when it finishes) and does its own I/O, reporting back through `poll()`. It sees block ids per group and
+the KVPlan, never layer names, so KV-sharing consumers (no spec, no memory) cannot reach it.
+
+Invariant: a block the connector may still read from or write into is never freed. While it loads a request, or
+holds a finished one (a lease for a remote reader), the request's block table stays allocated; the scheduler frees
+it only when `poll()` lists the request in `released` (or `abort()` / `request_finished()` say so right away).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridkv.engine.request import Request, RequestStatus
+from hybridkv.kv.memory import KVCacheMemory
+from hybridkv.kv.plan import KVPlan
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """vLLM's `--kv-transfer-config` shape: kv_connector, kv_role, kv_connector_extra_config."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in CONNECTORS:
+            known = ", ".join(sorted(CONNECTORS)) or "none registered"
+            raise ValueError(f"kv_transfer_config.kv_connector {self.kv_connector!r} is unknown; known: {known}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("kv_transfer_config.kv_connector_extra_config must be a JSON object")
+
+    @staticmethod
+    def parse(value: str | dict[str, Any]) -> KVTransferConfig:
+        """From a JSON string or a dict; unknown top-level keys are errors that name them."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object")
+        unknown = set(value) - {"kv_connector", "kv_role", "kv_connector_extra_config"}
+        if unknown:
+            raise ValueError(f"--kv-transfer-config has unknown keys: {', '.join(sorted(unknown))}")
+        if "kv_connector" not in value:
+            raise ValueError("--kv-transfer-config needs kv_connector, e.g. NixlConnector")
+        return KVTransferConfig(**value)
+
+    def option(self, key: str, default: Any, kind: Callable[[Any], Any] = lambda v: v) -> Any:
+        """An extra-config value converted by `kind`; a conversion error names the key."""
+        if key not in self.kv_connector_extra_config:
+            return default
+        try:
+            return kind(self.kv_connector_extra_config[key])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"kv_connector_extra_config.{key}: {e}") from e
+
+
+@dataclass
+class ConnectorEvents:
+    """What changed since the last poll."""
+
+    loaded: dict[str, bool] = field(default_factory=dict)  # request -> its KV load finished (True) or failed
+    errors: dict[str, str] = field(default_factory=dict)  # request -> why its load failed
+    released: list[str] = field(default_factory=list)  # requests whose blocks the connector let go: free them
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """What a connector needs to know about its engine: a unique id and what peers must match."""
+
+    engine_id: str
+    model_fingerprint: str  # config and weights identity
+    dtype: str
+
+
+class KVConnector:
+    """Runs on the engine thread. It may own I/O threads, but touches scheduler state only through return values."""
+
+    load_failure_policy = "recompute"  # or "fail": what the scheduler does with a request whose load failed
+
+    def register(self, plan: KVPlan, memory: KVCacheMemory) -> None:
+        """Called once with the engine's plan and KV memory, before any request."""
+        raise NotImplementedError
+
+    def num_external_tokens(self, req: Request, num_local_tokens: int) -> int:
+        """Tokens after the local prefix hit (`num_local_tokens`) this connector can load; 0 for none. At least
+        the last prompt token is always left to compute."""
+        return 0
+
+    def start_load(self, req: Request, block_ids: list[list[int]], num_local_tokens: int) -> None:
+        """Blocks for the whole prompt are allocated (`block_ids` per group; 0 where no token reads); load
+        tokens [num_local_tokens, num_local_tokens + req.num_external_tokens). Report through `poll()`."""
+
+    def blocks_computed(self, req: Request, block_ids: list[list[int]], num_computed_tokens: int) -> None:
+        """After each step that ran `req`: tokens [0, num_computed_tokens) now have KV in `block_ids` (per group;
+        0 where a sliding window let a block go). Stores must finish copying before returning, or hold the
+        blocks: the next step may reuse freed ones."""
+
+    def request_finished(self, req: Request, block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
+        """Called once per finished request before its blocks are freed. Returns (hold the blocks until
+        `released`, kv_transfer_params for the client)."""
+        return False, None
+
+    def abort(self, request_id: str) -> bool:
+        """A request waiting for its load was aborted. True: its blocks may be freed now; False: a transfer
+        may still write them, so they are listed in `released` later."""
+        return True
+
+    def poll(self) -> ConnectorEvents:
+        """Advance transfers and leases; report what finished."""
+        raise NotImplementedError
+
+    def has_pending(self) -> bool:
+        """Transfers in flight or blocks held: the engine must keep polling."""
+        return False
+
+    def wait(self, timeout: float) -> None:
+        """Block up to `timeout` s, or until something may have changed (never a busy loop)."""
+
+    def next_deadline(self) -> float | None:
+        """Seconds until the connector needs a poll with no other event (a lease expiry); None for never."""
+        return None
+
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        """`wake()` is called from the connector's own threads when `poll()` has something new."""
+
+    def metrics(self) -> dict[str, float]:
+        """Counters and gauges for /metrics (names without the hybridkv_ prefix)."""
+        return {}
+
+    def shutdown(self) -> None:
+        """Release threads, sockets and registrations."""
+
+
+ConnectorFactory = Callable[[KVTransferConfig, EngineIdentity], KVConnector]
+CONNECTORS: dict[str, ConnectorFactory] = {}
+
+
+def register_connector(name: str) -> Callable[[ConnectorFactory], ConnectorFactory]:
+    def add(factory: ConnectorFactory) -> ConnectorFactory:
+        CONNECTORS[name] = factory
+        return factory
+
+    return add
+
+
+def finished_ok(req: Request) -> bool:
+    return req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)

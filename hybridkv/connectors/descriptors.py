@@ -1,0 +1,116 @@
+"""Transfer descriptors from the KVPlan: which byte ranges move when block b of group g moves, on both sides.
+
+Each side describes where every owner layer keeps its pages: (address of block 0's page, block stride). Block b
+of group g is the pages of the group's layers, in the group's layer order, so local and remote pages pair one to
+one whatever each side's layout. Consecutive pairs merge while both sides stay contiguous: packed to packed moves
+one descriptor per block (or per run of consecutive block ids on both sides), per-layer one per region, mixed
+layouts one per layer page. KV-sharing consumers own no pages and never appear.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridkv.kv.plan import KVPlan
+
+COMPAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Placement:
+    """layer -> (address of its block-0 page, block stride in bytes), for every owner layer of one instance."""
+
+    layers: Mapping[int, tuple[int, int]]
+
+    @staticmethod
+    def of(plan: KVPlan, buffer_addrs: list[int]) -> Placement:
+        return Placement(
+            {layer: (buffer_addrs[t.buffer] + t.offset, t.block_stride) for t in plan.tensors for layer in t.layers}
+        )
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {str(layer): list(v) for layer, v in self.layers.items()}
+
+    @staticmethod
+    def from_json(data: Mapping[str, list[int]]) -> Placement:
+        return Placement({int(layer): (int(v[0]), int(v[1])) for layer, v in data.items()})
+
+
+@dataclass(frozen=True)
+class Descriptors:
+    local: np.ndarray  # [n, 3] uint64: (address, length, device id)
+    remote: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return len(self.local)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.local[:, 1].sum()) if len(self.local) else 0
+
+
+def pair_descriptors(
+    plan: KVPlan,
+    local: Placement,
+    remote: Placement,
+    moves: Iterable[tuple[int, int, int]],
+    local_device: int = 0,
+    remote_device: int = 0,
+) -> Descriptors:
+    """`moves`: (group id, local block id, remote block id). Pages pair in group layer order; adjacent pairs merge
+    while both sides are contiguous."""
+    runs: list[list[int]] = []  # [local address, remote address, length]
+    for group_id, local_block, remote_block in moves:
+        group = plan.groups[group_id]
+        for layer, page in zip(group.layers, group.pages, strict=True):
+            base, stride = local.layers[layer]
+            la = base + local_block * stride
+            base, stride = remote.layers[layer]
+            ra = base + remote_block * stride
+            last = runs[-1] if runs else None
+            if last is not None and last[0] + last[2] == la and last[1] + last[2] == ra:
+                last[2] += page
+            else:
+                runs.append([la, ra, page])
+    arr = np.array(runs, dtype=np.uint64).reshape(-1, 3)
+    local_descs = np.stack([arr[:, 0], arr[:, 2], np.full(len(arr), local_device, dtype=np.uint64)], axis=1)
+    remote_descs = np.stack([arr[:, 1], arr[:, 2], np.full(len(arr), remote_device, dtype=np.uint64)], axis=1)
+    return Descriptors(local_descs, remote_descs)
+
+
+def block_moves(
+    local_tables: list[list[int]], remote_tables: list[list[int]], first_token: int, end_token: int, block_size: int
+) -> list[tuple[int, int, int]]:
+    """(group, local block, remote block) for the blocks holding tokens [first_token, end_token): entries the local
+    table keeps (not the null block 0). A needed entry the remote side no longer holds is an error."""
+    if end_token <= first_token:
+        return []
+    moves = []
+    for g, (mine, theirs) in enumerate(zip(local_tables, remote_tables, strict=True)):
+        for i in range(first_token // block_size, (end_token - 1) // block_size + 1):
+            if i >= len(mine) or mine[i] == 0:
+                continue
+            if i >= len(theirs) or theirs[i] == 0:
+                raise ValueError(f"the peer no longer holds block {i} of group {g}")
+            moves.append((g, mine[i], theirs[i]))
+    return moves
+
+
+def compat_hash(plan: KVPlan, model_fingerprint: str, dtype: str) -> str:
+    """What two instances must share to exchange blocks: model, dtype, groups (kinds, windows, block size, layers,
+    page sizes), specs and KV sharing. The layout is not part of it: descriptors pair pages across layouts."""
+    desc = {
+        "version": COMPAT_VERSION,
+        "model": model_fingerprint,
+        "dtype": dtype,
+        "groups": [[g.kind, g.sliding_window, g.block_size, list(g.layers), list(g.pages)] for g in plan.groups],
+        "specs": [None if s is None else [s.kind, s.num_kv_heads, s.head_size, str(s.dtype)] for s in plan.specs],
+        "shared": sorted(plan.shared.items()),
+    }
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()

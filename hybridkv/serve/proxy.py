@@ -1,0 +1,124 @@
+"""The PD proxy: each request is prefilled on one instance (max_tokens=1, kv_transfer_params.do_remote_decode) and
+decoded on another, which reads the prompt's KV from the first. Round-robin over each pool.
+
+The decode answer is streamed back as it comes. A client that leaves before the decode request is sent gets the
+prefill instance's lease released right away (not on expiry); one that leaves during decoding closes the decode
+stream, which aborts the request there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hybridkv.connectors.side_channel import request as side_channel_request
+from hybridkv.serve.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+# Fields the prefill step must not carry: it generates exactly one token, not streamed.
+PREFILL_DROPS = ("stream", "stream_options", "min_tokens", "logprobs", "top_logprobs", "max_completion_tokens")
+
+
+def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
+    if not prefill or not decode:
+        raise ValueError("the proxy needs at least one --prefill and one --decode URL")
+    app = FastAPI(title="hybridkv proxy")
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10), limits=httpx.Limits(max_connections=1024))
+    prefills, decodes = itertools.cycle(prefill), itertools.cycle(decode)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "prefill": prefill, "decode": decode}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await relay(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await relay(request, "/v1/chat/completions")
+
+    async def relay(request: Request, route: str):
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("expected a JSON object")
+        except ValueError as e:
+            return _error(APIError(400, f"the request body is not valid JSON: {e}"))
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        p_url, d_url = next(prefills), next(decodes)
+        first = {k: v for k, v in body.items() if k not in PREFILL_DROPS}
+        first |= {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        try:
+            r = await client.post(p_url + route, json=first, headers=headers)
+        except httpx.HTTPError as e:
+            return _error(APIError(502, f"prefill instance {p_url} unreachable: {e}", "server_error"))
+        if r.status_code != 200:
+            return JSONResponse(_json(r), status_code=r.status_code)
+        params = _json(r).get("kv_transfer_params")
+        if await request.is_disconnected():
+            await release(params)
+            return _error(APIError(499, "client closed the request", "client_closed"))
+        second = body | ({"kv_transfer_params": params} if params else {})
+        if not body.get("stream"):
+            try:
+                r = await client.post(d_url + route, json=second, headers=headers)
+            except httpx.HTTPError as e:
+                await release(params)
+                return _error(APIError(502, f"decode instance {d_url} unreachable: {e}", "server_error"))
+            return JSONResponse(_json(r), status_code=r.status_code)
+        upstream = client.build_request("POST", d_url + route, json=second, headers=headers)
+        try:
+            response = await client.send(upstream, stream=True)
+        except httpx.HTTPError as e:
+            await release(params)
+            return _error(APIError(502, f"decode instance {d_url} unreachable: {e}", "server_error"))
+        if response.status_code != 200:
+            content = await response.aread()
+            await response.aclose()
+            return JSONResponse(json.loads(content or b"{}"), status_code=response.status_code)
+
+        async def stream():
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            finally:
+                await response.aclose()  # a client that left closes the decode stream: decode aborts
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def release(params: dict[str, Any] | None) -> None:
+        """Free a prefill lease nobody will read."""
+        if not params:
+            return
+        message = {"op": "release", "request_id": params.get("remote_request_id")}
+        try:
+            await asyncio.to_thread(side_channel_request, params["remote_host"], int(params["remote_port"]), message)
+        except (ConnectionError, KeyError, ValueError) as e:
+            logger.warning("could not release a prefill lease: %s", e)
+
+    @app.on_event("shutdown")
+    async def close() -> None:
+        await client.aclose()
+
+    return app
+
+
+def _json(r: httpx.Response) -> dict[str, Any]:
+    try:
+        data = r.json()
+    except ValueError:
+        return {"error": {"message": r.text[:500], "type": "server_error", "code": r.status_code}}
+    return data if isinstance(data, dict) else {"data": data}
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
