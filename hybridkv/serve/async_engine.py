@@ -180,6 +180,8 @@ class AsyncEngine:
             if req is None or (len(req.output_token_ids) == s.sent_tokens and not req.status.finished):
                 continue
             text = self.engine.output_text(req)
+            if not req.status.finished:
+                text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its next bytes
             new_ids = req.output_token_ids[s.sent_tokens :]
             now = time.monotonic()
             if new_ids:

@@ -42,6 +42,19 @@ def test_sliding_window_frees_blocks_that_left_the_window():
     finish_and_check(c, "a")
 
 
+def test_tokens_loaded_from_elsewhere_take_no_sliding_blocks_outside_the_window():
+    """A connector loads tokens [0, 79) and token 79 is computed next: the sliding group needs only the blocks
+    that token reads (tokens 48-79), the full group every block. The budget check counts the same."""
+    c = coordinator(blocks=9)  # 8 usable: 5 full + 2 sliding fit, 5 + 5 would not
+    assert c.allocate("a", 80, num_computed_tokens=79)
+    full, window = c.block_ids("a")
+    assert 0 not in full and window[:3] == [0, 0, 0] and 0 not in window[3:] and len(window) == 5
+    assert c.pool.num_used_blocks == 5 + 2
+    assert not c.allocate("b", 80, num_computed_tokens=79)  # all or nothing: 7 more do not fit
+    c.check_integrity()
+    finish_and_check(c, "a")
+
+
 def test_prefix_hit_across_requests():
     c = coordinator()
     tokens = prompt(1, 70)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -12,28 +11,9 @@ import httpx
 import pytest
 
 from hybridkv import LLM, SamplingParams
+from tests.procs import free_port, wait_healthy
 
 ENGINE_ARGS = ["--kv-cache-memory", "16MiB", "--max-model-len", "256", "--threads", "1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read() if proc.stdout else proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"server did not start in {timeout:.0f} s")
 
 
 def start_server(folder, *extra: str) -> Iterator[str]:

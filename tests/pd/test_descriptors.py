@@ -1,0 +1,89 @@
+"""Transfer descriptors and compatibility, from plans alone: no NIXL, no processes."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybridkv.connectors.descriptors import Placement, block_moves, compat_hash, pair_descriptors
+from hybridkv.kv.planner import CacheConfig, plan_from_hf_config
+
+# Gemma-4-E2B-like: 3 groups of 3-6 owner layers, KV-sharing consumers, two head sizes.
+CONFIG = json.loads((Path(__file__).parents[2] / "examples/configs/gemma4-e2b-like.json").read_text())
+
+
+def plan(layout: str, block_size: int = 16, dtype: str = "float32"):
+    cache = CacheConfig(memory_bytes=64 << 20, max_model_len=1024, kv_layout=layout)
+    return plan_from_hf_config(CONFIG, cache, block_size=block_size, dtype=dtype)
+
+
+def placement(p, base: int) -> Placement:
+    return Placement.of(p, [base + (i << 32) for i in range(len(p.buffer_sizes))])
+
+
+def owner_bytes(p, group: int) -> int:
+    return sum(p.groups[group].pages)
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs"), [("packed", "packed"), ("per-layer", "per-layer"), ("packed", "per-layer")]
+)
+def test_every_owner_page_moves_once_and_pairs_with_the_same_layer(mine, theirs):
+    local, remote = plan(mine), plan(theirs)
+    moves = [(g.group_id, 5 + g.group_id, 9 + 2 * g.group_id) for g in local.groups]
+    d = pair_descriptors(local, placement(local, 1 << 40), placement(remote, 1 << 44), moves)
+    assert d.nbytes == sum(owner_bytes(local, g) for g, _, _ in moves)
+    assert np.array_equal(d.local[:, 1], d.remote[:, 1])
+    # Rebuild the page list from the descriptors: every (layer, block) page appears exactly once on both sides.
+    expected_local, expected_remote = set(), set()
+    for g, lb, rb in moves:
+        for layer in local.groups[g].layers:
+            expected_local.add(placement(local, 1 << 40).layers[layer][0] + lb * local.tensor_of(layer).block_stride)
+            expected_remote.add(placement(remote, 1 << 44).layers[layer][0] + rb * remote.tensor_of(layer).block_stride)
+    starts = {int(a) for a in d.local[:, 0]}
+    assert starts <= expected_local and {int(a) for a in d.remote[:, 0]} <= expected_remote
+
+
+def test_packed_moves_one_descriptor_per_block_and_merges_consecutive_blocks():
+    p = plan("packed")
+    here, there = placement(p, 1 << 40), placement(p, 1 << 44)
+    scattered = [(0, 3, 7), (0, 9, 2)]
+    assert pair_descriptors(p, here, there, scattered).count == 2
+    consecutive = [(0, 3, 7), (0, 4, 8), (0, 5, 9)]
+    assert pair_descriptors(p, here, there, consecutive).count == 1  # one run on both sides
+
+
+def test_per_layer_moves_one_descriptor_per_region_and_mixed_layouts_pair_pages():
+    packed, per_layer = plan("packed"), plan("per-layer")
+    g = max(packed.groups, key=lambda g: len(g.layers))
+    same = pair_descriptors(
+        per_layer, placement(per_layer, 1 << 40), placement(per_layer, 1 << 44), [(g.group_id, 3, 7)]
+    )
+    assert same.count == per_layer.descriptors_per_block(g.group_id)
+    mixed = pair_descriptors(packed, placement(packed, 1 << 40), placement(per_layer, 1 << 44), [(g.group_id, 3, 7)])
+    # Mixed: pages merge only where both sides are contiguous, i.e. along the per-layer side's regions.
+    assert mixed.count == per_layer.descriptors_per_block(g.group_id) > packed.descriptors_per_block(g.group_id)
+
+
+def test_block_moves_skip_local_nulls_and_the_prefix_already_held():
+    local = [[11, 12, 13, 14], [0, 0, 23, 24]]  # group 1 slides: entries 0-1 left the window
+    remote = [[51, 52, 53, 54], [61, 62, 63, 64]]
+    moves = block_moves(local, remote, first_token=16, end_token=63, block_size=16)
+    assert moves == [(0, 12, 52), (0, 13, 53), (0, 14, 54), (1, 23, 63), (1, 24, 64)]
+    assert block_moves(local, remote, 40, 40, 16) == []
+    with pytest.raises(ValueError, match="no longer holds block 2 of group 1"):
+        block_moves(local, [[51, 52, 53, 54], [61, 62, 0, 64]], 16, 63, 16)
+
+
+def test_compat_hash_ignores_layout_but_not_model_dtype_or_block_size():
+    base = compat_hash(plan("packed"), "model-a", "float32")
+    assert compat_hash(plan("per-layer"), "model-a", "float32") == base
+    assert compat_hash(plan("packed"), "model-b", "float32") != base
+    assert compat_hash(plan("packed", dtype="bfloat16"), "model-a", "bfloat16") != base
+    assert compat_hash(plan("packed", block_size=32), "model-a", "float32") != base
+
+
+def test_placement_round_trips_through_json():
+    p = placement(plan("per-layer"), 1 << 40)
+    assert Placement.from_json(json.loads(json.dumps(p.to_json()))) == p

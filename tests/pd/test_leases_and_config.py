@@ -1,0 +1,60 @@
+"""Leases, the kv_transfer_config surface and the side channel, without NIXL."""
+
+import socket
+import time
+
+import pytest
+
+from hybridkv.connectors.base import KVTransferConfig
+from hybridkv.connectors.leases import LeaseTable
+from hybridkv.connectors.side_channel import SideChannelServer, request
+
+
+def test_a_release_is_trusted_only_while_the_lease_is_held():
+    leases = LeaseTable(duration_s=0.2)
+    leases.grant("a")
+    leases.grant("b")
+    assert leases.renew("a") and leases.release("a")
+    assert not leases.release("a")  # twice: the second reader must not trust anything
+    time.sleep(0.25)
+    assert not leases.renew("b") and not leases.release("b")  # expired
+    assert sorted(leases.collect()) == ["a", "b"] and leases.collect() == []
+    assert leases.expired_total == 0 and leases.released_total == 2  # b was marked by its failed release
+
+
+def test_expired_leases_are_collected_once_and_counted():
+    leases = LeaseTable(duration_s=0.05)
+    leases.grant("x")
+    assert leases.collect() == [] and 0 <= leases.next_deadline() <= 0.05
+    time.sleep(0.06)
+    assert leases.collect() == ["x"] and leases.expired_total == 1 and leases.next_deadline() is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"kv_role": "kv_both"}', "needs kv_connector"),
+        ('{"kv_connector": "Nope"}', "unknown; known: NixlConnector"),
+        ('{"kv_connector": "NixlConnector", "kv_role": "leader"}', "kv_role must be one of"),
+        ('{"kv_connector": "NixlConnector", "extra": 1}', "unknown keys: extra"),
+    ],
+)
+def test_bad_kv_transfer_config_is_a_clear_error(value, message):
+    with pytest.raises(ValueError, match=message):
+        KVTransferConfig.parse(value)
+
+
+def test_side_channel_answers_and_a_taken_port_is_a_clear_error():
+    server = SideChannelServer("127.0.0.1", 0, lambda msg: {"ok": True, "echo": msg["x"]})
+    try:
+        assert request("127.0.0.1", server.port, {"x": 7}) == {"ok": True, "echo": 7}
+        with pytest.raises(ValueError, match="side_channel_port"):
+            SideChannelServer("127.0.0.1", server.port, lambda msg: msg)
+    finally:
+        server.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{dead}"):
+        request("127.0.0.1", dead, {"x": 1}, timeout=1)

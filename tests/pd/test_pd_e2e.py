@@ -1,0 +1,208 @@
+"""Prefill/decode disaggregation end to end: prefill and decode servers and the proxy as real processes on
+loopback, NIXL underneath, on the embedded model and a tiny random Gemma 4 (both with KV-sharing layers)."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from hybridkv import LLM, SamplingParams
+from hybridkv.engine.config import DEFAULT_MODEL_DIR
+from tests.procs import Process, free_port
+
+try:
+    from hybridkv.connectors.nixl_transport import _nixl
+
+    _nixl()
+except ValueError:
+    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+
+ENGINE = ["--threads", "1", "--kv-cache-memory", "32MiB", "--max-model-len", "512"]
+HELDOUT = [json.loads(line) for line in (DEFAULT_MODEL_DIR / "heldout.jsonl").read_text().splitlines()]
+SHORT = ["Remember these codes.\n- ant 58\nQ: what is ant?\nA: ant", "hi"]  # shorter than the 16-token window
+
+
+def server(model: str, layout: str = "per-layer", *extra: str, **options) -> Process:
+    config = {"side_channel_port": free_port(), "kv_lease_s": 3} | options
+    ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": config}
+    return Process(
+        "serve", "--model", model, "--kv-layout", layout, *ENGINE, "--kv-transfer-config", json.dumps(ktc), *extra
+    )
+
+
+def proxy(prefill: Process, decode: Process) -> Process:
+    return Process("proxy", "--prefill", prefill.url, "--decode", decode.url)
+
+
+def complete(url: str, prompt: str, max_tokens: int = 12, **extra) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True} | extra
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+
+
+def kv_state(p: Process) -> dict:
+    return httpx.get(f"{p.url}/admin/kv", timeout=10).json()
+
+
+def assert_clean(*servers: Process, timeout: float = 10) -> None:
+    """Every instance ends with its integrity check passing and no block held (leases released or expired)."""
+    for s in servers:
+        deadline = time.monotonic() + timeout
+        while (state := kv_state(s))["blocks_used"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert state["integrity"] == "ok" and state["blocks_used"] == 0, (state, s.output())
+
+
+def single_instance(model: str, prompts: list[str], max_tokens: int = 12) -> list[str]:
+    llm = LLM(model, kv_cache_memory="32MiB", max_model_len=512)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [o.outputs[0].text for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    p, d = server(str(DEFAULT_MODEL_DIR)), server(str(DEFAULT_MODEL_DIR))
+    x = proxy(p, d)
+    yield p, d, x
+    for proc in (x, p, d):
+        proc.stop()
+
+
+def through_proxy_equals_single_instance(model: str, x: Process, prompts: list[str]) -> None:
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda q: complete(x.url, q), prompts))
+    assert [o["choices"][0]["text"] for o in outs] == single_instance(model, prompts)
+
+
+def test_embedded_model_through_the_proxy_equals_one_instance(embedded):
+    p, d, x = embedded
+    before = kv_state(d)["connector"]
+    prompts = [it["prompt"] for it in HELDOUT[:6]] + SHORT
+    through_proxy_equals_single_instance(str(DEFAULT_MODEL_DIR), x, prompts)
+    after = kv_state(d)["connector"]
+    assert after["kv_transfer_reads"] - before["kv_transfer_reads"] >= 6  # the long prompts were read, not recomputed
+    assert after["kv_transfer_failures"] == before["kv_transfer_failures"]
+    assert_clean(p, d)
+
+
+def test_mixed_layouts_packed_prefill_to_per_layer_decode(embedded):
+    _, d, _ = embedded
+    p = server(str(DEFAULT_MODEL_DIR), "packed")
+    x = proxy(p, d)
+    try:
+        through_proxy_equals_single_instance(str(DEFAULT_MODEL_DIR), x, [it["prompt"] for it in HELDOUT[6:10]])
+        assert_clean(p, d)
+    finally:
+        x.stop()
+        p.stop()
+
+
+@pytest.mark.parametrize("prefill_layout", ["packed", "per-layer"])
+def test_tiny_gemma4_with_kv_sharing_into_a_packed_decoder(tiny_gemma4, prefill_layout):
+    folder = str(tiny_gemma4)
+    p, d = server(folder, prefill_layout), server(folder, "packed")
+    x = proxy(p, d)
+    try:
+        prompts = ["the quick brown fox " * n for n in (1, 3, 9, 20)]  # 4 to ~80 tokens: around the window
+        through_proxy_equals_single_instance(folder, x, prompts)
+        assert kv_state(d)["connector"]["kv_transfer_reads"] >= 3
+        assert_clean(p, d)
+    finally:
+        for proc in (x, p, d):
+            proc.stop()
+
+
+def test_lm_eval_through_the_proxy_scores_the_single_instance_score(embedded, tmp_path):
+    """The seed's accuracy check, ours: lm-eval local-completions through the PD proxy."""
+    pytest.importorskip("lm_eval")
+    from hybridkv.evals import lm_eval_server_accuracy
+    from hybridkv.tasks.kv_recall import score
+
+    items = HELDOUT[:24]
+    data = tmp_path / "subset.jsonl"
+    data.write_text("".join(json.dumps(it) + "\n" for it in items))
+    llm = LLM(kv_cache_memory="32MiB", max_model_len=512)
+    outs = llm.generate([it["prompt"] for it in items], SamplingParams(max_tokens=8, temperature=0, stop=["\n"]))
+    single = sum(score(o.outputs[0].text, it["answer"]) for o, it in zip(outs, items)) / len(items)
+    p, d, x = embedded
+    assert lm_eval_server_accuracy(x.url, DEFAULT_MODEL_DIR.name, data) == pytest.approx(single) and single >= 0.9
+    assert_clean(p, d)
+
+
+def prefill_only(p: Process, prompt: str) -> dict:
+    r = complete(p.url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    return r["kv_transfer_params"]
+
+
+def test_an_expired_lease_frees_prefill_and_the_decoder_recomputes(embedded):
+    p, d, _ = embedded
+    prompt = HELDOUT[20]["prompt"]
+    params = prefill_only(p, prompt)
+    assert kv_state(p)["blocks_used"] > 0  # held under the lease
+    time.sleep(3.5)
+    assert kv_state(p)["blocks_used"] == 0 and kv_state(p)["connector"]["kv_leases_expired_total"] >= 1
+    failures = kv_state(d)["connector"]["kv_transfer_failures"]
+    out = complete(d.url, prompt, kv_transfer_params=params)  # the blocks may be reused: never trust them
+    assert out["choices"][0]["text"] == single_instance(str(DEFAULT_MODEL_DIR), [prompt])[0]
+    assert kv_state(d)["connector"]["kv_transfer_failures"] == failures  # the read itself worked; the lease did not
+    assert_clean(p, d)
+
+
+def test_prefill_dying_after_prefill_makes_the_decoder_recompute(embedded):
+    _, d, _ = embedded
+    p = server(str(DEFAULT_MODEL_DIR))
+    prompt = HELDOUT[21]["prompt"]
+    params = prefill_only(p, prompt)
+    p.kill()
+    out = complete(d.url, prompt, kv_transfer_params=params)
+    assert out["choices"][0]["text"] == single_instance(str(DEFAULT_MODEL_DIR), [prompt])[0]
+    assert_clean(d)
+    p.stop()
+
+
+def test_decode_dying_mid_wait_leaves_prefill_to_free_on_lease_expiry(embedded):
+    p, _, _ = embedded
+    d = server(str(DEFAULT_MODEL_DIR))
+    prompt = HELDOUT[22]["prompt"]
+    params = prefill_only(p, prompt)
+    body = {"prompt": prompt, "max_tokens": 64, "stream": True, "kv_transfer_params": params}
+    with httpx.stream("POST", f"{d.url}/v1/completions", json=body, timeout=60):
+        d.kill()
+    assert_clean(p, timeout=6)
+    d.stop()
+
+
+def test_incompatible_peer_is_refused_with_a_clear_error_under_policy_fail(embedded):
+    p, _, _ = embedded
+    d = server(str(DEFAULT_MODEL_DIR), "per-layer", "--dtype", "bfloat16", kv_load_failure_policy="fail")
+    try:
+        prompt = HELDOUT[23]["prompt"]
+        r = httpx.post(
+            f"{d.url}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 4, "kv_transfer_params": prefill_only(p, prompt)},
+            timeout=60,
+        )
+        assert r.status_code == 502 and "incompatible KV" in r.json()["error"]["message"]
+        assert "refused a handshake" in p.output()
+        assert_clean(p, d)
+    finally:
+        d.stop()
+
+
+def test_client_aborts_before_and_during_the_transfer_free_both_sides(embedded):
+    p, d, x = embedded
+    for delay in (0.0, 0.02, 0.1):
+        body = {"prompt": HELDOUT[30]["prompt"], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{x.url}/v1/completions", json=body, timeout=60):
+            time.sleep(delay)
+    assert_clean(p, d)
+
+
+def test_a_side_channel_port_in_use_is_a_clear_start_up_error(embedded):
+    p, _, _ = embedded
+    taken = json.loads(p.proc.args[p.proc.args.index("--kv-transfer-config") + 1])
+    with pytest.raises(RuntimeError, match="side_channel_port"):
+        server(str(DEFAULT_MODEL_DIR), **taken["kv_connector_extra_config"])
