@@ -23,7 +23,7 @@ S, F = "sliding_attention", "full_attention"
 NEW_TOKENS = 64
 
 
-def build_model(folder: Path) -> None:
+def build_model(folder: Path, max_positions: int = 1024) -> None:
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     cfg = Gemma4TextConfig(
@@ -41,7 +41,7 @@ def build_model(folder: Path) -> None:
         hidden_size_per_layer_input=16,
         vocab_size_per_layer_input=512,
         final_logit_softcapping=30.0,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_positions,
     )
     torch.manual_seed(0)
     model = Gemma4ForCausalLM(cfg)

@@ -91,6 +91,7 @@ class NixlConnector(KVConnector):
         self._event = threading.Event()
         self._wake = self._event.set
         self.stats = {"kv_transfer_reads": 0.0, "kv_transfer_bytes": 0.0, "kv_transfer_descriptors": 0.0}
+        self.stats["kv_transfer_blocks"] = 0.0
         self.stats |= {"kv_transfer_seconds": 0.0, "kv_transfer_failures": 0.0}
 
     def register(self, plan: KVPlan, memory: KVCacheMemory) -> None:
@@ -275,6 +276,7 @@ class NixlConnector(KVConnector):
         self.stats["kv_transfer_reads"] += 1
         self.stats["kv_transfer_bytes"] += descs.nbytes
         self.stats["kv_transfer_descriptors"] += descs.count
+        self.stats["kv_transfer_blocks"] += len(load.moves)
 
     def _check_read(self, load: _Load, events: ConnectorEvents) -> None:
         state = self.transport.state(load.handle)
