@@ -86,6 +86,12 @@ def test_embedded_model_through_the_proxy_equals_one_instance(embedded):
     assert after["kv_transfer_reads"] - before["kv_transfer_reads"] >= 6  # the long prompts were read, not recomputed
     assert after["kv_transfer_failures"] == before["kv_transfer_failures"]
     assert_clean(p, d)
+    # Again: the decoder's own prefix cache now holds these prompts' whole blocks; it pulls only the partial
+    # last block of each (at most one block per group), not the prompt.
+    through_proxy_equals_single_instance(str(DEFAULT_MODEL_DIR), x, prompts[:3])
+    again = kv_state(d)["connector"]["kv_transfer_bytes"] - after["kv_transfer_bytes"]
+    assert 0 < again < 0.1 * (after["kv_transfer_bytes"] - before["kv_transfer_bytes"])
+    assert_clean(p, d, timeout=2)
 
 
 def test_mixed_layouts_packed_prefill_to_per_layer_decode(embedded):
