@@ -23,13 +23,8 @@ DEFAULT_MAX_TOKENS = 16
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="hybridkv")
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        authorized = request.headers.get("authorization") == f"Bearer {api_key}"
-        if api_key and request.url.path != "/health" and not authorized:
-            return _error(APIError(401, "missing or wrong API key", "authentication_error"))
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -121,6 +116,22 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         return meta | {"choices": [choice], "usage": _usage(counts)} | extra
 
     return app
+
+
+class BearerAuth:
+    """Every route but /health needs `Authorization: Bearer <key>`. Plain ASGI: streamed responses pass through
+    untouched (an `@app.middleware("http")` function would copy every SSE chunk through an extra task)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        guarded = scope["type"] == "http" and scope["path"] != "/health"
+        if guarded and dict(scope["headers"]).get(b"authorization") != self.expected:
+            await _error(APIError(401, "missing or wrong API key", "authentication_error"))(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _error(e: APIError) -> JSONResponse:

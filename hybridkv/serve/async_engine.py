@@ -38,6 +38,11 @@ class Update:
     kv_transfer_params: dict | None = None  # from a connector, on the last update (PD prefill)
 
 
+def _deliver(items: list[tuple[asyncio.Queue, Update]]) -> None:
+    for q, update in items:
+        q.put_nowait(update)
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -175,6 +180,8 @@ class AsyncEngine:
         }
 
     def _publish(self) -> None:
+        """Send each stream what its request produced; one wake-up per event loop, not one per stream."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Update]]] = {}
         for rid, s in list(self._streams.items()):
             req = s.request
             if req is None or (len(req.output_token_ids) == s.sent_tokens and not req.status.finished):
@@ -205,9 +212,11 @@ class AsyncEngine:
                 req.kv_transfer_params_out if finished else None,
             )
             s.sent_tokens, s.sent_text = len(req.output_token_ids), text
-            self._send(rid, update)
+            batches.setdefault(s.loop, []).append((s.queue, update))
             if finished:
                 self._streams.pop(rid, None)
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     def _send(self, rid: str, item: Update | BaseException) -> None:
         s = self._streams.get(rid)
