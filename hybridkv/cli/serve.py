@@ -30,6 +30,13 @@ def serve(
             '"kv_connector_extra_config":{"side_channel_port":5600}}\''
         ),
     ] = None,
+    kv_offload_cpu: Annotated[
+        str | None, typer.Option(help="offload KV blocks to this much CPU memory, e.g. 4GiB (OffloadingConnector)")
+    ] = None,
+    kv_offload_disk: Annotated[
+        str | None,
+        typer.Option(help="and on to disk: DIR:SIZE, e.g. /var/cache/hybridkv:20GiB (kept across restarts)"),
+    ] = None,
 ) -> None:
     from pathlib import Path
 
@@ -54,6 +61,8 @@ def serve(
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
                 kv_transfer_config=kv_transfer_config,
+                kv_offload_cpu=kv_offload_cpu,
+                kv_offload_disk=kv_offload_disk,
             )
         )
     except ValueError as e:

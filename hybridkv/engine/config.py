@@ -8,6 +8,7 @@ from typing import Any
 
 import hybridkv.connectors  # noqa: F401  (registers the connectors)
 from hybridkv.connectors.base import KVTransferConfig
+from hybridkv.connectors.offload_config import CONNECTOR_NAME, OffloadConfig, offload_transfer_config
 from hybridkv.kv.layout import KV_LAYOUTS
 from hybridkv.units import parse_bytes
 
@@ -29,6 +30,9 @@ class EngineConfig:
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict, hash=False)
     # vLLM's --kv-transfer-config: a connector (PD, offloading). Its extra config also feeds the layout choice.
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = field(default=None, hash=False)
+    # Offloading to CPU memory ("4GiB") and disk ("DIR:20GiB"): shorthand for the OffloadingConnector.
+    kv_offload_cpu: int | str | None = None
+    kv_offload_disk: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:
@@ -36,8 +40,20 @@ class EngineConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if self.kv_offload_cpu is not None or self.kv_offload_disk is not None:
+            if self.kv_transfer_config is not None:
+                raise ValueError(
+                    "kv_offload_cpu/kv_offload_disk (--kv-offload-*) and kv_transfer_config both pick a connector: "
+                    "use one (the OffloadingConnector takes cpu_bytes, disk_path, disk_bytes in kv_transfer_config)"
+                )
+            if self.kv_offload_cpu is None:
+                raise ValueError("kv_offload_disk (--kv-offload-disk) needs kv_offload_cpu: disk loads go through it")
+            offload = offload_transfer_config(self.kv_offload_cpu, self.kv_offload_disk, self.kv_connector_extra_config)
+            object.__setattr__(self, "kv_transfer_config", offload)
         if self.kv_transfer_config is not None and not isinstance(self.kv_transfer_config, KVTransferConfig):
             object.__setattr__(self, "kv_transfer_config", KVTransferConfig.parse(self.kv_transfer_config))
+        if self.kv_transfer_config is not None and self.kv_transfer_config.kv_connector == CONNECTOR_NAME:
+            OffloadConfig.from_transfer_config(self.kv_transfer_config)  # bad options fail before the model loads
 
     @property
     def extra_config(self) -> dict[str, Any]:

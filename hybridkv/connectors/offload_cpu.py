@@ -1,0 +1,126 @@
+"""CpuTier: offloaded KV blocks in CPU memory, one fixed-size slot per (block hash, group).
+
+All slots live in one uint8 tensor allocated up front (pinned when CUDA is available, so device copies can run
+asynchronously). An entry is *ready* once its bytes are in its slot; a *pending* entry (being filled from disk) is
+invisible to `contains`. A pinned entry is being read (a load, a disk write) or filled, so it is never evicted and
+its slot never reused. Thread-safe: the engine thread stores and pins, I/O threads unpin and read pinned slots.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.connectors.offload_policy import make_policy
+
+
+@dataclass
+class _Entry:
+    slot: int
+    ready: bool
+    pins: int = 0
+
+
+class CpuTier:
+    def __init__(self, capacity_bytes: int, slot_bytes: int, eviction: str = "lru", pin_memory: bool = False) -> None:
+        self.num_slots = capacity_bytes // slot_bytes
+        if self.num_slots < 1:
+            raise ValueError(
+                f"the CPU offload tier of {capacity_bytes} bytes holds no block: one block takes {slot_bytes} "
+                "bytes; raise cpu_bytes (--kv-offload-cpu)"
+            )
+        self.slot_bytes = slot_bytes
+        self.data = torch.empty((self.num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pin_memory)
+        self._entries: dict[Hashable, _Entry] = {}
+        self._free = list(range(self.num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._policy = make_policy(eviction, self.num_slots)
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return (self.num_slots - len(self._free)) * self.slot_bytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(e.ready for e in self._entries.values())
+
+    def contains(self, key: Hashable) -> bool:
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and entry.ready
+
+    def touch(self, key: Hashable) -> bool:
+        """Mark a ready entry as used; False when there is none."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not entry.ready:
+                return False
+            self._policy.touch(key)
+            return True
+
+    def allocate(self, key: Hashable, *, ready: bool = True, pin: bool = False) -> int | None:
+        """A slot for a new entry, evicting an unpinned one if the tier is full. The caller fills the slot before
+        anything else can read it: a ready entry on the engine thread right away, a pending one before `commit`.
+        None: the key is already present, or every slot is pinned."""
+        with self._lock:
+            if key in self._entries:
+                return None
+            if not self._free:
+                victim = self._policy.evict(lambda k: self._entries[k].pins == 0)
+                if victim is None:
+                    return None
+                self._free.append(self._entries.pop(victim).slot)
+                self.evictions += 1
+            slot = self._free.pop()
+            self._entries[key] = _Entry(slot, ready, pins=int(pin) + int(not ready))
+            self._policy.insert(key)
+            return slot
+
+    def pin(self, key: Hashable) -> int | None:
+        """Protect a ready entry while its slot is read; returns the slot, or None when the entry is absent."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not entry.ready:
+                return None
+            entry.pins += 1
+            self._policy.touch(key)
+            return entry.slot
+
+    def unpin(self, key: Hashable) -> None:
+        with self._lock:
+            self._entries[key].pins -= 1
+
+    def commit(self, key: Hashable) -> None:
+        """A pending entry's slot is filled: make it ready (and drop the pin `allocate` took)."""
+        with self._lock:
+            entry = self._entries[key]
+            entry.ready, entry.pins = True, entry.pins - 1
+
+    def discard(self, key: Hashable) -> None:
+        """Drop a pending entry whose fill failed; its slot is free again."""
+        with self._lock:
+            entry = self._entries.pop(key)
+            self._policy.remove(key)
+            self._free.append(entry.slot)
+
+    def slot(self, index: int) -> torch.Tensor:
+        return self.data[index]
+
+    def check_integrity(self) -> None:
+        """Every slot is free or owned by exactly one entry; no pins are left once I/O is idle."""
+        with self._lock:
+            owned = [e.slot for e in self._entries.values()]
+            assert len(set(owned)) == len(owned), "a slot has two entries"
+            assert not set(owned) & set(self._free), "a slot is both free and owned"
+            assert len(owned) + len(self._free) == self.num_slots, "a slot is lost"
+            assert len(self._policy) == len(self._entries), "the eviction policy and the entries disagree"
+            assert all(e.pins == 0 for e in self._entries.values()), "an entry is still pinned"
