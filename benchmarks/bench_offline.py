@@ -20,23 +20,24 @@ from pathlib import Path
 import torch
 
 S, F = "sliding_attention", "full_attention"
+LAYER_TYPES = [S, S, S, F, S, S, S, F]
 NEW_TOKENS = 64
 
 
-def build_model(folder: Path, max_positions: int = 1024) -> None:
+def build_model(folder: Path, max_positions: int = 1024, layer_types: list[str] | None = None) -> None:
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     cfg = Gemma4TextConfig(
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=8,
+        num_hidden_layers=len(layer_types or LAYER_TYPES),
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
         global_head_dim=64,
         sliding_window=16,
-        layer_types=[S, S, S, F, S, S, S, F],
+        layer_types=layer_types or LAYER_TYPES,
         num_kv_shared_layers=3,
         hidden_size_per_layer_input=16,
         vocab_size_per_layer_input=512,

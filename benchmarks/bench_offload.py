@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_offline
 import torch
 
 S, F = "sliding_attention", "full_attention"
@@ -28,32 +29,8 @@ LAYOUTS = ("per-layer", "packed")
 
 
 def build_model(folder: Path) -> None:
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
-    cfg = Gemma4TextConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=12,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        global_head_dim=64,
-        sliding_window=16,
-        layer_types=[S, S, S, F] * 3,  # per-layer cuts each block into two regions; packed keeps it whole
-        num_kv_shared_layers=3,
-        hidden_size_per_layer_input=16,
-        vocab_size_per_layer_input=512,
-        final_logit_softcapping=30.0,
-        max_position_embeddings=8192,
-    )
-    torch.manual_seed(0)
-    model = Gemma4ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(folder)
+    # 12 layers: per-layer cuts each block into two regions; packed keeps it whole.
+    bench_offline.build_model(folder, max_positions=8192, layer_types=[S, S, S, F] * 3)
 
 
 def make_llm(folder: Path, layout: str, disk: Path | None):
