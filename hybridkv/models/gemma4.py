@@ -110,7 +110,10 @@ class Attention(nn.Module):
         if self.k_eq_v:
             heads = torch.cat((heads, heads[:, hq:]), 1)  # values: the keys before k_norm and RoPE
         scale = self.head_scale if self.head_scale is not None else self._head_scale()
-        normed = (F.rms_norm(heads.float(), (hd,), None, self.eps) * scale).type_as(heads)
+        if heads.dtype == torch.float32:
+            normed = F.rms_norm(heads, (hd,), None, self.eps) * scale
+        else:  # norm and scale in float32, then round once, as transformers does
+            normed = (F.rms_norm(heads.float(), (hd,), None, self.eps) * scale).type_as(heads)
         out = apply_rope(normed, *rope.for_heads(hq + hk, hk))  # [N, hq + 2 hk, hd]
         kv = out[:, hq:].view(n, 2, hk, hd) if hk else None
         return self.o_proj(attn(layer, out[:, :hq], kv, 1.0).reshape(n, -1))

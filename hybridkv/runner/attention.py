@@ -160,10 +160,12 @@ class PagedAttention:
         else:
             qp = q.new_zeros(step.num_reqs, step.max_q, hq, q.shape[2])
             qp[step.req_index, step.q_index] = q
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2),
-            keys.to(q.dtype),
-            values.to(q.dtype),
+            keys,
+            values,
             attn_mask=meta.mask,
             scale=scale,
             enable_gqa=hq != hk,
