@@ -152,6 +152,8 @@ async def _collect(updates: AsyncIterator[Update]) -> tuple[str, Update, list[To
         async for u in updates:
             text, last = text + u.text, u
             logprobs += u.logprobs or []
+    except ValueError as e:  # the engine refused the request (e.g. kv_transfer_params without a connector)
+        raise APIError(400, str(e)) from e
     except RuntimeError as e:  # the engine failed the request (e.g. a KV load under policy "fail")
         raise APIError(502, str(e), "server_error") from e
     assert last is not None
@@ -183,6 +185,8 @@ def _sse(
         try:
             async for chunk in chunks():
                 yield chunk
+        except ValueError as e:
+            yield f"data: {json.dumps(APIError(400, str(e)).body())}\n\n"
         except RuntimeError as e:
             yield f"data: {json.dumps(APIError(502, str(e), 'server_error').body())}\n\n"
         yield "data: [DONE]\n\n"

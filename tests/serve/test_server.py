@@ -141,6 +141,7 @@ def test_completion_logprobs_stream_and_not(url):
         ({}, 400, "prompt"),
         ({"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
         ({"prompt": "hi", "echo": True}, 400, "echo"),
+        ({"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True}}, 400, "--kv-transfer-config"),
     ],
 )
 def test_bad_requests_get_a_4xx_with_an_openai_error_body(url, payload, status, text):
