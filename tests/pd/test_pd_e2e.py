@@ -212,3 +212,23 @@ def test_a_side_channel_port_in_use_is_a_clear_start_up_error(embedded):
     taken = json.loads(p.proc.args[p.proc.args.index("--kv-transfer-config") + 1])
     with pytest.raises(RuntimeError, match="side_channel_port"):
         server(str(DEFAULT_MODEL_DIR), **taken["kv_connector_extra_config"])
+
+
+def prompt_tokens(p: Process) -> float:
+    text = httpx.get(f"{p.url}/metrics", timeout=10).text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("hybridkv_prompt_tokens_total")))
+
+
+def test_the_proxy_round_robins_over_prefill_instances(embedded):
+    p, d, _ = embedded
+    p2 = server(str(DEFAULT_MODEL_DIR), "packed")
+    x = Process("proxy", "--prefill", p.url, p2.url, "--decode", d.url)
+    try:
+        assert httpx.get(f"{x.url}/health").json()["prefill"] == [p.url, p2.url]
+        before = prompt_tokens(p), prompt_tokens(p2)
+        through_proxy_equals_single_instance(str(DEFAULT_MODEL_DIR), x, [it["prompt"] for it in HELDOUT[40:44]])
+        assert prompt_tokens(p) > before[0] and prompt_tokens(p2) > before[1]
+        assert_clean(p, p2, d)
+    finally:
+        x.stop()
+        p2.stop()
