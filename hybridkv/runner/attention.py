@@ -16,6 +16,26 @@ import torch
 import torch.nn.functional as F
 
 
+class IndexPack:
+    """The integer index lists of one step, uploaded as one tensor (one host-to-device copy, not one per list);
+    each list comes back as a view."""
+
+    def __init__(self) -> None:
+        self._parts: list[list[int]] = []
+        self._views: list[torch.Tensor] = []
+
+    def add(self, values: list[int]) -> int:
+        self._parts.append(values)
+        return len(self._parts) - 1
+
+    def upload(self, device: torch.device) -> None:
+        flat = torch.tensor([v for part in self._parts for v in part], dtype=torch.long)
+        self._views = list(flat.to(device, non_blocking=True).split([len(p) for p in self._parts]))
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self._views[i]
+
+
 @dataclass
 class StepIndex:
     """Where each flat token sits in the padded [B, Lq] query grid, and the positions involved."""
@@ -24,29 +44,24 @@ class StepIndex:
     lengths: list[int]
     rows: list[int]  # [N]: the request of each token
     positions: list[int]  # [N]
-    req_index: torch.Tensor  # [N] on device: `rows`
-    q_index: torch.Tensor  # [N] on device: the token's slot in its request's query row
-    q_pos: torch.Tensor  # [B, Lq] on CPU
-    seq_end: torch.Tensor  # [B, 1] on CPU
-    pad: torch.Tensor  # [B, Lq] on CPU: padded query slots
+    pack: IndexPack
+    _rows: int  # slot of `rows` in the pack
+    _q_index: int  # slot of each token's place in its request's query row
 
     @staticmethod
-    def build(starts: list[int], lengths: list[int], device: torch.device) -> StepIndex:
+    def build(starts: list[int], lengths: list[int], pack: IndexPack) -> StepIndex:
         rows = [r for r, n in enumerate(lengths) for _ in range(n)]
         q_index = [j for n in lengths for j in range(n)]
-        start, lens = torch.tensor(starts), torch.tensor(lengths)
-        grid = torch.arange(max(lengths)).unsqueeze(0)
-        return StepIndex(
-            starts=starts,
-            lengths=lengths,
-            rows=rows,
-            positions=[starts[r] + j for r, j in zip(rows, q_index)],
-            req_index=torch.tensor(rows, device=device),
-            q_index=torch.tensor(q_index, device=device),
-            q_pos=start.unsqueeze(1) + grid,
-            seq_end=(start + lens).unsqueeze(1),
-            pad=grid >= lens.unsqueeze(1),
-        )
+        positions = [starts[r] + j for r, j in zip(rows, q_index)]
+        return StepIndex(starts, lengths, rows, positions, pack, pack.add(rows), pack.add(q_index))
+
+    @property
+    def req_index(self) -> torch.Tensor:
+        return self.pack[self._rows]
+
+    @property
+    def q_index(self) -> torch.Tensor:
+        return self.pack[self._q_index]
 
     @property
     def num_reqs(self) -> int:
@@ -59,10 +74,24 @@ class StepIndex:
 
 @dataclass
 class GroupMetadata:
-    block_ids: torch.Tensor  # [N] block of each new token
-    offsets: torch.Tensor  # [N] slot inside that block
-    tables: torch.Tensor  # [B, nb] blocks gathered for attention (0 = null block, always masked)
+    pack: IndexPack
+    _block_ids: int  # slot: [N] block of each new token
+    _offsets: int  # slot: [N] slot inside that block
+    _tables: int  # slot: [B * nb] blocks gathered for attention (0 = null block, always masked)
+    num_blocks: int  # nb
     mask: torch.Tensor  # [B, 1, Lq, nb * block_size] additive: 0 where visible, -inf elsewhere
+
+    @property
+    def block_ids(self) -> torch.Tensor:
+        return self.pack[self._block_ids]
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        return self.pack[self._offsets]
+
+    @property
+    def tables(self) -> torch.Tensor:
+        return self.pack[self._tables].view(-1, self.num_blocks)
 
     @staticmethod
     def build(
@@ -79,32 +108,36 @@ class GroupMetadata:
         if window is not None:
             first = [max(0, s - window + 1) // block_size for s in step.starts]
         span = max(len(t) - f for t, f in zip(tables, first))
-        gathered = [t[f:] + [0] * (span - len(t) + f) for t, f in zip(tables, first)]
+        gathered = [v for t, f in zip(tables, first) for v in t[f:] + [0] * (span - len(t) + f)]
         # Each new token's block: its table entry, counted from the gathered window's first block.
-        block_ids = [gathered[r][p // block_size - first[r]] for r, p in zip(step.rows, step.positions)]
+        block_ids = [gathered[r * span + p // block_size - first[r]] for r, p in zip(step.rows, step.positions)]
         key = (block_size, window, span, *first)
         mask = None if masks is None else masks.get(key)
         if mask is None:
             mask = _mask(step, first, span, block_size, window).to(device)
             if masks is not None:
                 masks[key] = mask
-        return GroupMetadata(
-            block_ids=torch.tensor(block_ids, device=device),
-            offsets=torch.tensor([p % block_size for p in step.positions], device=device),
-            tables=torch.tensor(gathered, device=device),
-            mask=mask,
-        )
+        pack = step.pack
+        offsets = [p % block_size for p in step.positions]
+        return GroupMetadata(pack, pack.add(block_ids), pack.add(offsets), pack.add(gathered), span, mask)
 
 
 def _mask(step: StepIndex, first: list[int], span: int, block_size: int, window: int | None) -> torch.Tensor:
-    first_pos = (torch.tensor(first) * block_size).view(-1, 1, 1)
-    k_pos = first_pos + torch.arange(span * block_size).view(1, 1, -1)  # [B, 1, Lk] absolute positions
-    q_pos = step.q_pos.unsqueeze(-1)  # [B, Lq, 1]
-    visible = (k_pos <= q_pos) & (k_pos < step.seq_end.unsqueeze(-1))
-    if window is not None:
-        visible &= q_pos - k_pos < window
-    visible[..., 0] |= step.pad  # padded query rows see one key so softmax stays finite; their output is dropped
-    return torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).unsqueeze(1)
+    """Query i of request b (position q) sees gathered key j when lo <= j <= hi: hi = q - (first key position),
+    lo = hi - window + 1 (0 for full attention). A padded query slot sees key 0 only, so softmax stays finite
+    (its output is dropped)."""
+    lq = step.max_q
+    hi, lo = [], []
+    for b, (start, n) in enumerate(zip(step.starts, step.lengths)):
+        base = first[b] * block_size
+        for i in range(lq):
+            h = start + i - base if i < n else 0
+            hi.append(h)
+            lo.append(0 if i >= n or window is None else h - window + 1)
+    bounds = torch.tensor([hi, lo]).view(2, len(step.starts), lq, 1)
+    k = torch.arange(span * block_size)
+    visible = (k <= bounds[0]) & (k >= bounds[1])
+    return torch.where(visible, 0.0, float("-inf")).unsqueeze(1)
 
 
 class Workspace:

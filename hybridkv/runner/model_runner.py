@@ -10,7 +10,7 @@ from hybridkv.engine.output import SchedulerOutput
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
 from hybridkv.models.base import CausalLM
-from hybridkv.runner.attention import GroupMetadata, PagedAttention, StepIndex, Workspace
+from hybridkv.runner.attention import GroupMetadata, IndexPack, PagedAttention, StepIndex, Workspace
 
 
 class ModelRunner:
@@ -26,8 +26,12 @@ class ModelRunner:
     def run(self, output: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
         """Run every scheduled chunk; return the ids of requests to sample and their logits [M, vocab]."""
         chunks = output.chunks
-        step = StepIndex.build([c.start for c in chunks], [len(c.token_ids) for c in chunks], self.device)
-        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+        pack = IndexPack()
+        step = StepIndex.build([c.start for c in chunks], [len(c.token_ids) for c in chunks], pack)
+        ids_slot, positions_slot = pack.add([t for c in chunks for t in c.token_ids]), pack.add(step.positions)
+        ends = list(itertools.accumulate(step.lengths))
+        sampled = [i for i, c in enumerate(chunks) if c.sample]
+        rows_slot = pack.add([ends[i] - 1 for i in sampled])
         masks: dict[tuple, torch.Tensor] = {}
         metadata = [
             GroupMetadata.build(
@@ -35,11 +39,8 @@ class ModelRunner:
             )
             for g in self.plan.groups
         ]
+        pack.upload(self.device)
         attn = PagedAttention(self.memory.views, self.layer_group, metadata, step, self.workspace)
-        positions = torch.tensor(step.positions, device=self.device)
-        hidden = self.model(input_ids, positions, attn)
-        ends = list(itertools.accumulate(step.lengths))
-        sampled = [i for i, c in enumerate(chunks) if c.sample]
-        rows = torch.tensor([ends[i] - 1 for i in sampled], dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        hidden = self.model(pack[ids_slot], pack[positions_slot], attn)
+        logits = self.model.compute_logits(hidden[pack[rows_slot]])
         return [chunks[i].request_id for i in sampled], logits
