@@ -59,6 +59,8 @@ class KVCacheCoordinator:
         """Make every group's table for `req_id` cover tokens [0, num_tokens). Tokens [0, num_computed_tokens)
         are done, so blocks that left a sliding window go first. A `hit` is for a request with no blocks yet.
         Returns False, changing nothing, when the free blocks do not suffice."""
+        if hit is None and not any(m.needs_allocate(req_id, num_tokens, num_computed_tokens) for m in self.managers):
+            return True  # a decode step inside the current blocks: nothing to free or add
         for m in self.managers:
             m.remove_skipped_blocks(req_id, num_computed_tokens)
         hit_blocks = hit.blocks if hit is not None else tuple(() for _ in self.managers)
@@ -96,12 +98,14 @@ class KVCacheCoordinator:
 
     def check_integrity(self, extra_refs: Counter[int] | None = None) -> None:
         """Pool invariants, plus: each block's reference count equals the tables (and `extra_refs`, e.g. a
-        connector's holds) that contain it, and no block serves two groups."""
+        connector's holds) that contain it, no block serves two groups, and the block-id lists match the tables."""
         self.pool.check_integrity()
         refs: Counter[int] = Counter(extra_refs or {})
         owner: dict[int, int] = {}
         for m in self.managers:
-            for table in m.tables.values():
+            assert m.ids.keys() == m.tables.keys(), f"group {m.group_id}: id lists and tables cover other requests"
+            for rid, table in m.tables.items():
+                assert m.ids[rid] == [b.block_id for b in table], f"group {m.group_id}: stale block ids of {rid}"
                 for b in table:
                     if b is self.pool.null_block:
                         continue

@@ -23,6 +23,7 @@ class GroupManager:
         self.block_size = group.block_size
         self.pool = pool
         self.tables: dict[str, list[Block]] = {}
+        self.ids: dict[str, list[int]] = {}  # the tables' block ids, kept in step with `tables`
         self.num_cached: dict[str, int] = {}  # entries [0, n) were published to the cache map (or are null)
 
     def find_longest_hit(self, hashes: Sequence[BlockHash], max_blocks: int) -> list[Block]:
@@ -49,18 +50,22 @@ class GroupManager:
         assert req_id not in self.tables, f"request {req_id} already has blocks; hits apply to new requests"
         self.pool.touch(hit)
         self.tables[req_id] = list(hit)
+        self.ids[req_id] = [b.block_id for b in hit]
         self.num_cached[req_id] = len(hit)
 
     def allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int = 0) -> list[Block]:
         """Extend the table to cover `num_tokens` tokens. A new table whose first `num_computed_tokens` come
         from elsewhere (loaded, not computed) gets the null block where no later token reads."""
         table = self.tables.setdefault(req_id, [])
+        ids = self.ids.setdefault(req_id, [])
         self.num_cached.setdefault(req_id, 0)
         skipped = min(self._first_needed(num_computed_tokens), cdiv(num_tokens, self.block_size))
         if len(table) < skipped:
+            ids.extend([self.pool.null_block.block_id] * (skipped - len(table)))
             table.extend([self.pool.null_block] * (skipped - len(table)))
         new = self.pool.get_new_blocks(max(0, cdiv(num_tokens, self.block_size) - len(table)))
         table.extend(new)
+        ids.extend(b.block_id for b in new)
         return new
 
     def cache_blocks(self, req_id: str, hashes: Sequence[BlockHash], num_tokens: int) -> None:
@@ -73,11 +78,21 @@ class GroupManager:
 
     def free(self, req_id: str) -> None:
         table = self.tables.pop(req_id, [])
+        self.ids.pop(req_id, None)
         self.num_cached.pop(req_id, None)
         self.pool.free_blocks(reversed(table))  # tail blocks are the least likely to be shared: evict first
 
     def block_ids(self, req_id: str) -> list[int]:
-        return [b.block_id for b in self.tables.get(req_id, ())]
+        return list(self.ids.get(req_id, ()))
+
+    def needs_allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int) -> bool:
+        """Whether `allocate`/`remove_skipped_blocks` would change this request's table: a new block is due, or
+        a block left the window. False is the common decode step inside a block."""
+        table = self.tables.get(req_id)
+        if table is None or cdiv(num_tokens, self.block_size) > len(table):
+            return True
+        skipped = self._first_needed(num_computed_tokens)
+        return 0 < skipped <= len(table) and table[skipped - 1] is not self.pool.null_block
 
 
 class FullAttentionManager(GroupManager):
@@ -119,11 +134,13 @@ class SlidingWindowManager(GroupManager):
         skipped = min(self.spec.num_skipped_tokens(num_computed_tokens) // self.block_size, len(table))
         null = self.pool.null_block
         freed = []
+        ids = self.ids[req_id]
         for i in range(skipped - 1, -1, -1):
             if table[i] is null:
                 break  # everything before was released earlier
             freed.append(table[i])
             table[i] = null
+            ids[i] = null.block_id
         self.pool.free_blocks(freed)
 
 
