@@ -86,18 +86,13 @@ class Attention(nn.Module):
             self.v_norm = RMSNorm(hd, eps, with_scale=False)
         self.qkv: FusedLinear | None = None
         self.head_scale: torch.Tensor | None = None
+        self.num_heads = (heads, 0 if consumer else shape.num_kv_heads)  # (query heads, KV heads)
 
     def fuse(self) -> None:
         """One matmul for q/k/v, then one norm and one RoPE over the stacked heads [q | k | v]: per-head norm
         weights q_norm, k_norm and 1 (v is normed unscaled); v heads pass RoPE unrotated."""
         self.qkv = FusedLinear([p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None])
         self.head_scale = self._head_scale()
-
-    @property
-    def num_heads(self) -> tuple[int, int]:
-        """(query heads, KV heads); 0 KV heads for a consumer."""
-        kv = 0 if self.k_proj is None else self.k_proj.out_features // self.head_dim
-        return self.q_proj.out_features // self.head_dim, kv
 
     def forward(self, layer: int, x: torch.Tensor, rope: RopeTables, attn: AttentionFn) -> torch.Tensor:
         n, hd = x.shape[0], self.head_dim
@@ -116,7 +111,7 @@ class Attention(nn.Module):
             normed = (F.rms_norm(heads.float(), (hd,), None, self.eps) * scale).type_as(heads)
         out = apply_rope(normed, *rope.for_heads(hq + hk, hk))  # [N, hq + 2 hk, hd]
         kv = out[:, hq:].view(n, 2, hk, hd) if hk else None
-        return self.o_proj(attn(layer, out[:, :hq], kv, 1.0).reshape(n, -1))
+        return self.o_proj.forward(attn(layer, out[:, :hq], kv, 1.0).reshape(n, -1))
 
     def _head_scale(self) -> torch.Tensor:
         """[hq (+ 2 hk), head_dim] float32: each stacked head's norm weight."""
@@ -141,7 +136,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj.forward(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
