@@ -4,6 +4,8 @@ loopback, NIXL underneath, on the embedded model and a tiny random Gemma 4 (both
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -167,6 +169,27 @@ def test_prefill_dying_after_prefill_makes_the_decoder_recompute(embedded):
     assert out["choices"][0]["text"] == single_instance(str(DEFAULT_MODEL_DIR), [prompt])[0]
     assert_clean(d)
     p.stop()
+
+
+def test_prefill_frozen_then_killed_mid_transfer_makes_the_decoder_recompute(embedded):
+    """The prefill instance stops answering while the decoder transfers (SIGSTOP), then dies: whatever the read
+    returned is not trusted (the lease cannot be confirmed), and the decoder recomputes."""
+    _, d, _ = embedded
+    p = server(str(DEFAULT_MODEL_DIR))
+    try:
+        warm = HELDOUT[24]["prompt"]  # first request: the handshake is done before the freeze
+        assert complete(d.url, warm, kv_transfer_params=prefill_only(p, warm))["choices"]
+        prompt = HELDOUT[25]["prompt"]
+        params = prefill_only(p, prompt)
+        p.proc.send_signal(signal.SIGSTOP)
+        killer = threading.Timer(1.0, p.kill)
+        killer.start()
+        out = complete(d.url, prompt, kv_transfer_params=params)
+        killer.join()
+        assert out["choices"][0]["text"] == single_instance(str(DEFAULT_MODEL_DIR), [prompt])[0]
+        assert_clean(d)
+    finally:
+        p.stop()
 
 
 def test_decode_dying_mid_wait_leaves_prefill_to_free_on_lease_expiry(embedded):
