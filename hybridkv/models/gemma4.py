@@ -218,8 +218,9 @@ class Gemma4ForCausalLM(CausalLM):
         x = self.embed_tokens(input_ids) * _in_dtype(self.embed_scale, self.embed_tokens.weight.dtype)
         per_layer = self._per_layer_inputs(input_ids, x) if self.ple_dim else None
         rope = {t: r(positions, x.dtype) for t, r in self.rotary.items()}
+        per_layer_inputs = [None] * len(self.layers) if per_layer is None else per_layer.unbind(1)
         for i, layer in enumerate(self.layers):
-            x = layer.forward(i, x, None if per_layer is None else per_layer[:, i], rope[self.layer_types[i]], attn)
+            x = layer.forward(i, x, per_layer_inputs[i], rope[self.layer_types[i]], attn)
         return self.norm(x)
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,11 @@ class GroupMetadata:
 
     @property
     def tables(self) -> torch.Tensor:
-        return self.pack[self._tables].view(-1, self.num_blocks)
+        return self.flat_tables.view(-1, self.num_blocks)
+
+    @property
+    def flat_tables(self) -> torch.Tensor:
+        return self.pack[self._tables]
 
     @staticmethod
     def build(
@@ -189,14 +193,15 @@ class PagedAttention:
         hk = keys.shape[1]
         hq = q.shape[1]
         if step.max_q == 1:  # decode only: one query per request, no padding
-            qp = q.unsqueeze(1)
+            qp = q.unsqueeze(2)  # [B, Hq, 1, D]
         else:
             qp = q.new_zeros(step.num_reqs, step.max_q, hq, q.shape[2])
             qp[step.req_index, step.q_index] = q
+            qp = qp.transpose(1, 2)
         if keys.dtype != q.dtype:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2),
+            qp,
             keys,
             values,
             attn_mask=meta.mask,
@@ -209,10 +214,10 @@ class PagedAttention:
 
     def _gather(self, cache: torch.Tensor, meta: GroupMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks of `meta.tables` as keys and values [B, Hk, Lk, D]."""
-        b, nb = meta.tables.shape
+        b, nb = self.step.num_reqs, meta.num_blocks
         _, bs, _, hk, d = cache.shape
         out = self.workspace.get(id(cache), (b * nb, bs, 2, hk, d), cache.dtype, cache.device)
-        kv = torch.index_select(cache, 0, meta.tables.flatten(), out=out).view(b, nb * bs, 2, hk, d)  # K and V
-        keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+        kv = torch.index_select(cache, 0, meta.flat_tables, out=out).view(b, nb * bs, 2, hk, d)  # K and V
+        keys, values = kv.permute(2, 0, 3, 1, 4).unbind(0)
         self._gathered[id(cache)] = (keys, values)
         return keys, values
