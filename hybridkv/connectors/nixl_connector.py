@@ -48,7 +48,8 @@ OPTIONS = {
     "backends",
 }
 POLICIES = ("recompute", "fail")
-PROGRESS_EVERY_S = 0.0005  # how often transfers are driven while any are possible (reads in flight, leases held)
+PROGRESS_EVERY_S = 0.0005  # how often a prefill instance drives UCX while it holds leases (a peer may read)
+POLL_READS_EVERY_S = 0.00005  # how often a reader polls its reads in flight (they last ~0.1-10 ms)
 
 
 def prompt_hash(token_ids: list[int]) -> str:
@@ -318,8 +319,9 @@ class NixlConnector(KVConnector):
         return bool(self.loads) or len(self.leases) > 0
 
     def wait(self, timeout: float) -> None:
-        reading = any(load.state == "reading" for load in self.loads.values())
-        if reading or len(self.leases):
+        if any(load.state == "reading" for load in self.loads.values()):
+            timeout = min(timeout, POLL_READS_EVERY_S)
+        elif len(self.leases):
             timeout = min(timeout, PROGRESS_EVERY_S)
         self._event.wait(timeout)
         self._event.clear()
