@@ -38,6 +38,7 @@ def serve(
         typer.Option(help="and on to disk: DIR:SIZE, e.g. /var/cache/hybridkv:20GiB (kept across restarts)"),
     ] = None,
 ) -> None:
+    import sys
     from pathlib import Path
 
     import torch
@@ -50,6 +51,9 @@ def serve(
 
     if threads:
         torch.set_num_threads(threads)
+    # The engine thread and the HTTP event loop share the GIL: hand it over every 0.5 ms (default 5 ms) so
+    # streamed tokens leave while the next step runs.
+    sys.setswitchinterval(0.0005)
     folder = model or str(DEFAULT_MODEL_DIR)
     try:
         engine = LLMEngine(
