@@ -241,7 +241,7 @@ class Gemma4ForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
         if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+            logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
     def checkpoint_name(self, name: str) -> str | None:

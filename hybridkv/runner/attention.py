@@ -192,8 +192,11 @@ class PagedAttention:
         keys, values = self._gathered.get(id(cache)) or self._gather(cache, meta)
         hk = keys.shape[1]
         hq = q.shape[1]
-        if step.max_q == 1:  # decode only: one query per request, no padding
-            qp = q.unsqueeze(2)  # [B, Hq, 1, D]
+        decode = step.max_q == 1  # one query per request, no padding
+        if decode:
+            # Query heads sharing a KV head become that head's queries: [B, Hk, Hq / Hk, D], and the [B, 1, 1, Lk]
+            # mask broadcasts over them. No GQA expansion of K/V.
+            qp, hq = q.view(q.shape[0], hk, hq // hk, q.shape[2]), hk
         else:
             qp = q.new_zeros(step.num_reqs, step.max_q, hq, q.shape[2])
             qp[step.req_index, step.q_index] = q
@@ -207,9 +210,9 @@ class PagedAttention:
             attn_mask=meta.mask,
             scale=scale,
             enable_gqa=hq != hk,
-        )  # [B, Hq, Lq, D]
-        if step.max_q == 1:
-            return out[:, :, 0]
+        )  # [B, Hq, Lq, D]; decode: [B, Hk, Hq / Hk, D]
+        if decode:
+            return out.view(q.shape)
         return out.transpose(1, 2)[step.req_index, step.q_index]
 
     def _gather(self, cache: torch.Tensor, meta: GroupMetadata) -> tuple[torch.Tensor, torch.Tensor]:
