@@ -58,3 +58,20 @@ def test_side_channel_answers_and_a_taken_port_is_a_clear_error():
         dead = s.getsockname()[1]
     with pytest.raises(ConnectionError, match=f"127.0.0.1:{dead}"):
         request("127.0.0.1", dead, {"x": 1}, timeout=1)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"side_chanel_port": 5600}, "unknown keys \\['side_chanel_port'\\]"),
+        ({"kv_load_failure_policy": "retry"}, "kv_load_failure_policy must be one of"),
+        ({"kv_lease_s": 0}, "must be positive"),
+        ({"side_channel_port": "five"}, "kv_connector_extra_config.side_channel_port"),
+    ],
+)
+def test_bad_nixl_options_are_clear_errors(extra, message):
+    from hybridkv.connectors.base import CONNECTORS, EngineIdentity
+
+    config = KVTransferConfig("NixlConnector", kv_connector_extra_config=extra)
+    with pytest.raises(ValueError, match=message):
+        CONNECTORS["NixlConnector"](config, EngineIdentity("e", "model", "float32"))
