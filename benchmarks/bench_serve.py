@@ -12,35 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return time.monotonic() - start
-        except httpx.TransportError:
-            time.sleep(0.5)
-    raise RuntimeError(f"server did not answer /health in {timeout:.0f} s")
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from tests.procs import free_port, wait_healthy
 
 
 def run_bench(url: str, args: argparse.Namespace, model: str) -> dict:
@@ -58,7 +39,9 @@ def serve_and_bench(name: str, cmd: list[str], env: dict, port: int, args: argpa
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            startup = wait_healthy(url, proc, timeout=240)
+            start = time.monotonic()
+            wait_healthy(url, proc, timeout=240)
+            startup = time.monotonic() - start
             run_bench(url, argparse.Namespace(**{**vars(args), "num_prompts": 4}), "default-model")  # warm-up
             report = run_bench(url, args, "default-model")
             return report | {"startup_s": round(startup, 1)}
