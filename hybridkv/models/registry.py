@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from hybridkv.kv.model_kv import load_hf_config
-from hybridkv.models.base import CausalLM
+from hybridkv.models.base import CausalLM, bind_attributes
 from hybridkv.models.gemma4 import Gemma4ForCausalLM
 from hybridkv.models.llama import LlamaForCausalLM
 from hybridkv.models.loader import load_weights, resolve_dtype
@@ -51,4 +51,5 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16", device: 
     load_weights(model, folder)
     model = model.eval().requires_grad_(False)
     model.fuse_projections()
+    bind_attributes(model)
     return model

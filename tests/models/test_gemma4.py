@@ -2,8 +2,11 @@
 attention_k_eq_v, double-wide MLPs, and the multimodal checkpoint's text model."""
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
+from hybridkv.models.gemma4 import norm_constants, scaled_rms_norm
 from hybridkv.models.registry import build_model, load_model
 from tests.models.util import (
     GEMMA4_TINY,
@@ -92,3 +95,32 @@ def test_moe_block_is_refused():
     )
     with pytest.raises(ValueError, match="enable_moe_block"):
         build_model(cfg.to_dict())
+
+
+@pytest.mark.parametrize("dim", [16, 128])
+def test_scaled_rms_norm_equals_rms_norm(dim):
+    """The three-kernel float32 norm equals torch's rms_norm within rounding, zero rows included."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 3, dim, generator=g) * torch.logspace(-4, 4, 7)[:, None, None]
+    x[0, 0] = 0
+    weight = torch.randn(dim, generator=g)
+    ours = scaled_rms_norm(x, *norm_constants(dim, 1e-6, weight))
+    ref = F.rms_norm(x, (dim,), weight, 1e-6)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ours[0, 0], torch.zeros(dim))
+    assert norm_constants(dim, 1e-6, weight.bfloat16()) is None  # half precision keeps the bit-exact rms_norm
+
+
+def test_bound_attributes_follow_reassignment(case):
+    """load_model copies submodules and parameters into each module's __dict__ for fast reads; assigning through
+    setattr later still takes effect."""
+    _, ours, _ = case
+    layer = ours.layers[0]
+    assert layer.__dict__["mlp"] is layer._modules["mlp"]
+    new = torch.nn.Parameter(torch.zeros_like(layer.per_layer_projection.weight), requires_grad=False)
+    old = layer.per_layer_projection.weight
+    layer.per_layer_projection.weight = new
+    try:
+        assert layer.per_layer_projection.weight is new
+    finally:
+        layer.per_layer_projection.weight = old
