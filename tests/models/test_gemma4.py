@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
-from hybridkv.models.gemma4 import norm_constants, scaled_rms_norm
+from hybridkv.models.norm import norm_constants, scaled_rms_norm
 from hybridkv.models.registry import build_model, load_model
 from tests.models.util import (
     GEMMA4_TINY,
