@@ -1,10 +1,9 @@
-"""Paged attention in plain torch: write new K/V into block slots, gather each request's blocks, attend.
+"""Paged attention in plain torch: write new K/V into block slots, gather each run's blocks, attend.
 
-Per step, `StepIndex` places the N flat tokens in a padded [B, Lq] query grid; per KV cache group,
-`GroupMetadata` holds each new token's (block, slot) and, per request, the blocks its queries may read, so all
-layers of a group share one set of index tensors. A sliding-window group gathers only the blocks that the
-step's queries can see. Key j (absolute position) is visible to the query at position p when j <= p,
-j < seq_len and, for a sliding window W, p - j < W.
+Per KV cache group, `GroupMetadata` holds each new token's (block, slot) and, per run of requests (see
+`step_index`), the blocks the run gathers and its masks, so all layers of a group share one set of index tensors.
+A sliding-window group gathers only the blocks that the step's queries can see. Key j (absolute position) is
+visible to the query at position p when j <= p, j < seq_len and, for a sliding window W, p - j < W.
 """
 
 from __future__ import annotations
@@ -15,61 +14,31 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridkv.runner.step_index import DECODE, PADDED, TILED, IndexPack, Run, StepIndex
 
-class IndexPack:
-    """The integer index lists of one step, uploaded as one tensor (one host-to-device copy, not one per list);
-    each list comes back as a view."""
-
-    def __init__(self) -> None:
-        self._parts: list[list[int]] = []
-        self._views: list[torch.Tensor] = []
-
-    def add(self, values: list[int]) -> int:
-        self._parts.append(values)
-        return len(self._parts) - 1
-
-    def upload(self, device: torch.device) -> None:
-        flat = torch.tensor([v for part in self._parts for v in part], dtype=torch.long)
-        self._views = list(flat.to(device, non_blocking=True).split([len(p) for p in self._parts]))
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self._views[i]
+MIN_SLIDING_TILE = 64  # smaller tiles would cost more in kernel calls than they save in masked-out keys
 
 
 @dataclass
-class StepIndex:
-    """Where each flat token sits in the padded [B, Lq] query grid, and the positions involved."""
+class Tile:
+    """Queries [q0, q1) of a run attend to its gathered keys [k0, k1) (token offsets from the run's first
+    gathered block) under `mask` [B, 1, queries, k1 - k0], additive: 0 where visible, -inf elsewhere."""
 
-    starts: list[int]
-    lengths: list[int]
-    rows: list[int]  # [N]: the request of each token
-    positions: list[int]  # [N]
-    pack: IndexPack
-    _rows: int  # slot of `rows` in the pack
-    _q_index: int  # slot of each token's place in its request's query row
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: torch.Tensor
 
-    @staticmethod
-    def build(starts: list[int], lengths: list[int], pack: IndexPack) -> StepIndex:
-        rows = [r for r, n in enumerate(lengths) for _ in range(n)]
-        q_index = [j for n in lengths for j in range(n)]
-        positions = [starts[r] + j for r, j in zip(rows, q_index)]
-        return StepIndex(starts, lengths, rows, positions, pack, pack.add(rows), pack.add(q_index))
 
-    @property
-    def req_index(self) -> torch.Tensor:
-        return self.pack[self._rows]
+@dataclass
+class RunKV:
+    """One run's view of a group: blocks to gather ([B * num_blocks], 0 = the null block, always masked) and its
+    tiles (one covering everything for decode and padded runs)."""
 
-    @property
-    def q_index(self) -> torch.Tensor:
-        return self.pack[self._q_index]
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def max_q(self) -> int:
-        return max(self.lengths)
+    tables: int  # slot in the step's pack
+    num_blocks: int
+    tiles: list[Tile]
 
 
 @dataclass
@@ -77,9 +46,7 @@ class GroupMetadata:
     pack: IndexPack
     _block_ids: int  # slot: [N] block of each new token
     _offsets: int  # slot: [N] slot inside that block
-    _tables: int  # slot: [B * nb] blocks gathered for attention (0 = null block, always masked)
-    num_blocks: int  # nb
-    mask: torch.Tensor  # [B, 1, Lq, nb * block_size] additive: 0 where visible, -inf elsewhere
+    runs: list[RunKV]  # one per `StepIndex.runs`
 
     @property
     def block_ids(self) -> torch.Tensor:
@@ -89,14 +56,6 @@ class GroupMetadata:
     def offsets(self) -> torch.Tensor:
         return self.pack[self._offsets]
 
-    @property
-    def tables(self) -> torch.Tensor:
-        return self.flat_tables.view(-1, self.num_blocks)
-
-    @property
-    def flat_tables(self) -> torch.Tensor:
-        return self.pack[self._tables]
-
     @staticmethod
     def build(
         step: StepIndex,
@@ -104,56 +63,80 @@ class GroupMetadata:
         block_size: int,
         window: int | None,
         device: torch.device,
-        masks: dict[tuple, torch.Tensor] | None = None,
+        masks: dict[tuple, list[Tile]] | None = None,
     ) -> GroupMetadata:
-        """`masks`: masks built earlier in this step, shared by groups with the same window and spans."""
+        """`masks`: tiles built earlier in this step, shared by groups with the same window and spans."""
         # Sliding groups read from block `first[b]` on: the block holding the first key any query can see.
         first = [0] * len(tables)
         if window is not None:
             first = [max(0, s - window + 1) // block_size for s in step.starts]
-        span = max(len(t) - f for t, f in zip(tables, first))
-        gathered = [v for t, f in zip(tables, first) for v in t[f:] + [0] * (span - len(t) + f)]
-        # Each new token's block: its table entry, counted from the gathered window's first block.
-        block_ids = [gathered[r * span + p // block_size - first[r]] for r, p in zip(step.rows, step.positions)]
-        key = (block_size, window, span, *first)
-        mask = None if masks is None else masks.get(key)
-        if mask is None:
-            mask = _mask(step, first, span, block_size, window).to(device)
-            if masks is not None:
-                masks[key] = mask
-        pack = step.pack
+        runs = []
+        for i, run in enumerate(step.runs):
+            reqs = range(run.r0, run.r1)
+            span = max(len(tables[r]) - first[r] for r in reqs)
+            gathered = [v for r in reqs for v in tables[r][first[r] :] + [0] * (span - len(tables[r]) + first[r])]
+            key = (i, block_size, window, span, *first[run.r0 : run.r1])
+            tiles = None if masks is None else masks.get(key)
+            if tiles is None:
+                tiles = _tiles(step, run, [f * block_size for f in first[run.r0 : run.r1]], span * block_size, window)
+                tiles = [Tile(t.q0, t.q1, t.k0, t.k1, t.mask.to(device)) for t in tiles]
+                if masks is not None:
+                    masks[key] = tiles
+            runs.append(RunKV(step.pack.add(gathered), span, tiles))
+        block_ids = [tables[r][p // block_size] for r, p in zip(step.rows, step.positions)]
         offsets = [p % block_size for p in step.positions]
-        return GroupMetadata(pack, pack.add(block_ids), pack.add(offsets), pack.add(gathered), span, mask)
+        return GroupMetadata(step.pack, step.pack.add(block_ids), step.pack.add(offsets), runs)
 
 
-def _mask(step: StepIndex, first: list[int], span: int, block_size: int, window: int | None) -> torch.Tensor:
-    """Query i of request b (position q) sees gathered key j when lo <= j <= hi: hi = q - (first key position),
-    lo = hi - window + 1 (0 for full attention). A padded query slot sees key 0 only, so softmax stays finite
-    (its output is dropped)."""
-    lq = step.max_q
-    hi, lo = [], []
-    for b, (start, n) in enumerate(zip(step.starts, step.lengths)):
-        base = first[b] * block_size
-        for i in range(lq):
-            h = start + i - base if i < n else 0
-            hi.append(h)
-            lo.append(0 if i >= n or window is None else h - window + 1)
-    bounds = torch.tensor([hi, lo]).view(2, len(step.starts), lq, 1)
-    k = torch.arange(span * block_size)
-    visible = (k <= bounds[0]) & (k >= bounds[1])
-    return torch.where(visible, 0.0, float("-inf")).unsqueeze(1)
+def _tiles(step: StepIndex, run: Run, bases: list[int], width: int, window: int | None) -> list[Tile]:
+    """A run's tiles. `bases[b]`: position of request b's first gathered key; `width`: keys gathered per request.
+    Query i of request b (position q) sees key j when lo <= j <= hi, hi = q - base, lo = hi - window + 1 (0 for
+    full attention). A padded query slot sees key 0 only, so softmax stays finite (its output is dropped)."""
+    starts, lengths = step.starts[run.r0 : run.r1], step.lengths[run.r0 : run.r1]
+    if run.kind != TILED:
+        hi: list[int] = []
+        for start, n, base in zip(starts, lengths, bases):
+            hi += range(start - base, start - base + n)
+            hi += [0] * (run.max_q - n)
+        lo = [0] * len(hi) if window is None else _window_starts(hi, lengths, run.max_q, window)
+        return [Tile(0, run.max_q, 0, width, _band(hi, lo, (run.num_reqs, run.max_q), 0, width))]
+    (start,), (n,), (base,) = starts, lengths, bases
+    # A sliding tile of t queries reads t + window - 1 keys: tiles near the window's size waste little.
+    size = step.tile if window is None else max(MIN_SLIDING_TILE, min(window, step.tile))
+    tiles = []
+    for q0 in range(0, n, size):
+        q1 = min(n, q0 + size)
+        hi = list(range(start + q0 - base, start + q1 - base))
+        lo = [0] * len(hi) if window is None else [max(0, h - window + 1) for h in hi]
+        k0, k1 = lo[0], hi[-1] + 1
+        tiles.append(Tile(q0, q1, k0, k1, _band(hi, lo, (1, q1 - q0), k0, k1 - k0)))
+    return tiles
+
+
+def _window_starts(hi: list[int], lengths: list[int], max_q: int, window: int) -> list[int]:
+    """lo per slot of a padded [B, max_q] grid: hi - window + 1 for real queries, 0 for padding."""
+    return [h - window + 1 if i % max_q < lengths[i // max_q] else 0 for i, h in enumerate(hi)]
+
+
+def _band(hi: list[int], lo: list[int], shape: tuple[int, int], k0: int, width: int) -> torch.Tensor:
+    """[B, 1, Lq, width] additive mask: key k0 + j visible to query slot (b, i) iff lo <= k0 + j <= hi."""
+    bounds = torch.tensor([hi, lo]).view(2, *shape, 1) - k0
+    k = torch.arange(width)
+    return torch.where((k <= bounds[0]) & (k >= bounds[1]), 0.0, float("-inf")).unsqueeze(1)
 
 
 class Workspace:
-    """Gather buffers kept across steps, one per KV cache. A fresh multi-MB tensor every step costs page faults
-    on each of its pages (large allocations are mmapped and unmapped again); reusing one buffer does not.
+    """Gather buffers kept across steps, one per (KV cache, run). A fresh multi-MB tensor every step costs page
+    faults on each of its pages (large allocations are mmapped and unmapped again); reusing one buffer does not.
     Buffers over `max_bytes` are not kept."""
 
     def __init__(self, max_bytes: int = 256 << 20) -> None:
         self.max_bytes = max_bytes
-        self.buffers: dict[int, torch.Tensor] = {}
+        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
 
-    def get(self, key: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def get(
+        self, key: tuple[int, int], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         need = math.prod(shape)
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < need or buf.dtype != dtype or buf.device != device:
@@ -161,6 +144,10 @@ class Workspace:
             if buf.numel() * buf.element_size() <= self.max_bytes:
                 self.buffers[key] = buf
         return buf[:need].view(shape)
+
+
+KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [B, Hk, Lk, D]
+KEPT_RUNS = 2  # runs whose gather buffers the workspace keeps: the decode and padded runs of a sorted step
 
 
 class PagedAttention:
@@ -179,8 +166,8 @@ class PagedAttention:
         self.layer_group = layer_group
         self.metadata = metadata
         self.step = step
-        # Gathered K/V per cache, valid for the rest of the step once its owner wrote: consumers reuse them.
-        self._gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Gathered K/V per cache and run, valid for the rest of the step once its owner wrote: consumers reuse them.
+        self._gathered: dict[int, list[KV]] = {}
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor | None, scale: float) -> torch.Tensor:
         cache = self.views[layer]
@@ -188,39 +175,66 @@ class PagedAttention:
         if kv is not None:
             cache[meta.block_ids, meta.offsets] = kv if kv.dtype == cache.dtype else kv.to(cache.dtype)
             self._gathered.pop(id(cache), None)
-        step = self.step
-        keys, values = self._gathered.get(id(cache)) or self._gather(cache, meta)
-        hk = keys.shape[1]
-        hq = q.shape[1]
-        decode = step.max_q == 1  # one query per request, no padding
-        if decode:
-            # Query heads sharing a KV head become that head's queries: [B, Hk, Hq / Hk, D], and the [B, 1, 1, Lk]
-            # mask broadcasts over them. No GQA expansion of K/V.
-            qp, hq = q.view(q.shape[0], hk, hq // hk, q.shape[2]), hk
-        else:
-            qp = q.new_zeros(step.num_reqs, step.max_q, hq, q.shape[2])
-            qp[step.req_index, step.q_index] = q
-            qp = qp.transpose(1, 2)
-        if keys.dtype != q.dtype:
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            qp,
-            keys,
-            values,
-            attn_mask=meta.mask,
-            scale=scale,
-            enable_gqa=hq != hk,
-        )  # [B, Hq, Lq, D]; decode: [B, Hk, Hq / Hk, D]
-        if decode:
-            return out.view(q.shape)
-        return out.transpose(1, 2)[step.req_index, step.q_index]
+        gathered = self._gathered.get(id(cache))
+        if gathered is None:
+            gathered = [self._gather(cache, i, run, r) for i, (run, r) in enumerate(zip(self.step.runs, meta.runs))]
+            self._gathered[id(cache)] = gathered
+        outs = [
+            ATTEND[run.kind](self, run, r, q[run.t0 : run.t1], *self._as(q.dtype, kv_run), scale)
+            for run, r, kv_run in zip(self.step.runs, meta.runs, gathered)
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _gather(self, cache: torch.Tensor, meta: GroupMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The blocks of `meta.tables` as keys and values [B, Hk, Lk, D]."""
-        b, nb = self.step.num_reqs, meta.num_blocks
+    @staticmethod
+    def _as(dtype: torch.dtype, kv: KV) -> KV:
+        return kv if kv[0].dtype == dtype else (kv[0].to(dtype), kv[1].to(dtype))
+
+    def _gather(self, cache: torch.Tensor, index: int, run: Run, r: RunKV) -> KV:
+        """The run's blocks as keys and values [B, Hk, Lk, D] (views of one token-major copy)."""
+        b, nb = run.num_reqs, r.num_blocks
         _, bs, _, hk, d = cache.shape
-        out = self.workspace.get(id(cache), (b * nb, bs, 2, hk, d), cache.dtype, cache.device)
-        kv = torch.index_select(cache, 0, meta.flat_tables, out=out).view(b, nb * bs, 2, hk, d)  # K and V
-        keys, values = kv.permute(2, 0, 3, 1, 4).unbind(0)
-        self._gathered[id(cache)] = (keys, values)
+        tables = self.step.pack[r.tables]
+        if index < KEPT_RUNS:
+            out = self.workspace.get((id(cache), index), (b * nb, bs, 2, hk, d), cache.dtype, cache.device)
+            kv = torch.index_select(cache, 0, tables, out=out)
+        else:
+            kv = torch.index_select(cache, 0, tables)
+        keys, values = kv.view(b, nb * bs, 2, hk, d).permute(2, 0, 3, 1, 4).unbind(0)
         return keys, values
+
+    def _decode(self, run: Run, r: RunKV, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):
+        """One query per request: query heads sharing a KV head become that head's queries, [B, Hk, Hq / Hk, D],
+        and the [B, 1, 1, Lk] mask broadcasts over them. No GQA expansion of K/V."""
+        hk = keys.shape[1]
+        qp = q.view(run.num_reqs, hk, q.shape[1] // hk, q.shape[2])
+        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=r.tiles[0].mask, scale=scale)
+        return out.view(q.shape)
+
+    def _padded(self, run: Run, r: RunKV, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):
+        rows, places = (self.step.pack[s] for s in run.slots)
+        qp = q.new_zeros(run.num_reqs, run.max_q, q.shape[1], q.shape[2])
+        qp[rows, places] = q
+        gqa = q.shape[1] != keys.shape[1]
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys, values, attn_mask=r.tiles[0].mask, scale=scale, enable_gqa=gqa
+        )  # [B, Hq, max_q, D]
+        return out.transpose(1, 2)[rows, places]
+
+    def _tiled(self, run: Run, r: RunKV, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):
+        qt = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        gqa = q.shape[1] != keys.shape[1]
+        outs = [
+            F.scaled_dot_product_attention(
+                qt[:, :, t.q0 : t.q1],
+                keys[:, :, t.k0 : t.k1],
+                values[:, :, t.k0 : t.k1],
+                attn_mask=t.mask,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            for t in r.tiles
+        ]
+        return torch.cat(outs, 2)[0].transpose(0, 1)  # [n, Hq, D]
+
+
+ATTEND = {DECODE: PagedAttention._decode, PADDED: PagedAttention._padded, TILED: PagedAttention._tiled}

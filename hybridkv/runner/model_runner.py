@@ -10,7 +10,8 @@ from hybridkv.engine.output import SchedulerOutput
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
 from hybridkv.models.base import CausalLM
-from hybridkv.runner.attention import GroupMetadata, IndexPack, PagedAttention, StepIndex, Workspace
+from hybridkv.runner.attention import GroupMetadata, PagedAttention, Workspace
+from hybridkv.runner.step_index import QUERY_TILE, IndexPack, StepIndex, run_kind
 
 
 class ModelRunner:
@@ -20,14 +21,16 @@ class ModelRunner:
         self.device = device
         self.memory = KVCacheMemory(plan, device)
         self.workspace = Workspace()
+        self.query_tile = QUERY_TILE
         self.layer_group = {layer: plan.group_of(layer).group_id for layer in range(plan.num_layers)}
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
         """Run every scheduled chunk; return the ids of requests to sample and their logits [M, vocab]."""
-        chunks = output.chunks
+        # Decodes first, then short chunks, then long ones: each kind forms one run (see `step_index`).
+        chunks = sorted(output.chunks, key=lambda c: run_kind(len(c.token_ids), self.query_tile))
         pack = IndexPack()
-        step = StepIndex.build([c.start for c in chunks], [len(c.token_ids) for c in chunks], pack)
+        step = StepIndex([c.start for c in chunks], [len(c.token_ids) for c in chunks], pack, self.query_tile)
         ids_slot, positions_slot = pack.add([t for c in chunks for t in c.token_ids]), pack.add(step.positions)
         ends = list(itertools.accumulate(step.lengths))
         sampled = [i for i, c in enumerate(chunks) if c.sample]

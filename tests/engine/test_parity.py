@@ -52,8 +52,10 @@ def greedy(llm: LLM, prompt_ids):
     return outs
 
 
-def run_engine(folder, prompt_ids, **kw):
+def run_engine(folder, prompt_ids, query_tile=None, **kw):
     llm = LLM(str(folder), dtype="float32", **kw)
+    if query_tile is not None:  # small tiles: long prompts attend tile by tile (see runner/step_index.py)
+        llm.engine.runner.query_tile = query_tile
     recorded = record_logits(llm)
     return llm, greedy(llm, prompt_ids), recorded
 
@@ -82,26 +84,29 @@ def check(folder, outs, recorded, prompt_ids):
         assert tokens == expected.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("query_tile", [None, 7])
 @pytest.mark.parametrize("layout", ["per-layer", "packed"])
-def test_batch_of_mixed_lengths(checkpoint, layout):
+def test_batch_of_mixed_lengths(checkpoint, layout, query_tile):
     _, folder = checkpoint
     p = prompts()
-    _, outs, rec = run_engine(folder, p, kv_layout=layout)
+    _, outs, rec = run_engine(folder, p, query_tile, kv_layout=layout)
     check(folder, outs, rec, p)
 
 
-def test_chunked_prefill(checkpoint):
+@pytest.mark.parametrize("query_tile", [None, 5])
+def test_chunked_prefill(checkpoint, query_tile):
     _, folder = checkpoint
     p = prompts()
-    _, outs, rec = run_engine(folder, p, max_num_batched_tokens=24, max_model_len=256)
+    _, outs, rec = run_engine(folder, p, query_tile, max_num_batched_tokens=24, max_model_len=256)
     check(folder, outs, rec, p)
 
 
-def test_prefix_cache_hits(checkpoint):
+@pytest.mark.parametrize("query_tile", [None, 6])
+def test_prefix_cache_hits(checkpoint, query_tile):
     _, folder = checkpoint
     base = prompts(6)[-1]
     p = [base, base[:50] + [7, 8, 9], base + [11]]
-    llm, outs, rec = run_engine(folder, p[:1])
+    llm, outs, rec = run_engine(folder, p[:1], query_tile)
     check(folder, outs, rec, p[:1])
     # Same engine, second wave: the shared prefix is served from the cache.
     hits = []
