@@ -119,10 +119,16 @@ def _window_starts(hi: list[int], lengths: list[int], max_q: int, window: int) -
 
 
 def _band(hi: list[int], lo: list[int], shape: tuple[int, int], k0: int, width: int) -> torch.Tensor:
-    """[B, 1, Lq, width] additive mask: key k0 + j visible to query slot (b, i) iff lo <= k0 + j <= hi."""
-    bounds = torch.tensor([hi, lo]).view(2, *shape, 1) - k0
-    k = torch.arange(width)
-    return torch.where((k <= bounds[0]) & (k >= bounds[1]), 0.0, float("-inf")).unsqueeze(1)
+    """[B, 1, Lq, width] additive mask: key k0 + j visible to query slot (b, i) iff lo <= k0 + j <= hi. Keys
+    [max(lo), min(hi)] are visible to every slot (a full-attention tile's whole prefix) and are left at 0:
+    only the columns around them are compared."""
+    mask = torch.zeros(shape[0], 1, shape[1], width)
+    bounds = torch.tensor([hi, lo]).view(2, shape[0], 1, shape[1], 1) - k0
+    shared = (max(max(lo) - k0, 0), min(min(hi) - k0 + 1, width))
+    for a, b in ((0, shared[0]), (shared[1], width)) if shared[0] < shared[1] else ((0, width),):
+        k = torch.arange(a, b)
+        mask[..., a:b].masked_fill_((k > bounds[0]) | (k < bounds[1]), float("-inf"))
+    return mask
 
 
 class Workspace:
