@@ -14,6 +14,8 @@ from torch import nn
 
 from hybridkv.kv.model_kv import MODEL_READERS
 from hybridkv.models.base import AttentionFn, CausalLM
+from hybridkv.models.fuse import FusedLinear
+from hybridkv.models.norm import norm_constants, scaled_rms_norm
 from hybridkv.models.rope import Rotary, apply_rope, rope_parameters
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -22,10 +24,16 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.eps = eps
+        self.dim, self.eps = dim, eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.constants: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 only: set by `prepare`
+
+    def prepare(self) -> None:
+        self.constants = norm_constants(self.dim, self.eps, self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.constants is not None:
+            return scaled_rms_norm(x, *self.constants)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -43,14 +51,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, cfg["rms_norm_eps"]) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg["rms_norm_eps"]) if qk_norm else None
+        self.qkv: FusedLinear | None = None
 
     def forward(
         self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, -1, self.head_dim)
-        k = self.k_proj(x).view(n, -1, self.head_dim)
-        v = self.v_proj(x).view(n, -1, self.head_dim)
+        n, hd = x.shape[0], self.head_dim
+        qkv = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = (t.view(n, -1, hd) for t in qkv)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = attn(layer, apply_rope(q, cos, sin), torch.stack((apply_rope(k, cos, sin), v), 1), self.scale)
@@ -66,9 +74,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up: FusedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -121,6 +131,14 @@ class LlamaForCausalLM(CausalLM):
         for i, layer in enumerate(self.layers):
             x = layer(i, x, cos, sin, attn)
         return self.norm(x)
+
+    def fuse_projections(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.qkv = FusedLinear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+            layer.mlp.gate_up = FusedLinear([layer.mlp.gate_proj, layer.mlp.up_proj])
+        for norm in self.modules():
+            if isinstance(norm, RMSNorm):
+                norm.prepare()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
