@@ -1,4 +1,5 @@
-"""`hybridkv bench serve`: concurrent streaming clients against an OpenAI-compatible server."""
+"""`hybridkv bench serve`: concurrent streaming clients against an OpenAI-compatible server; `bench throughput`
+(offline, in-process) lives in `bench_throughput`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from typing import Annotated
 
 import typer
 
+from hybridkv.cli.bench_throughput import bench_throughput
+
 app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+app.command("throughput", help="Offline batch throughput in-process: N random prompts, greedy, EOS ignored.")(
+    bench_throughput
+)
 
 
 @dataclass
