@@ -102,7 +102,7 @@ def _tiles(step: StepIndex, run: Run, bases: list[int], width: int, window: int 
         return [Tile(0, run.max_q, 0, width, _band(hi, lo, (run.num_reqs, run.max_q), 0, width))]
     (start,), (n,), (base,) = starts, lengths, bases
     # A sliding tile of t queries reads t + window - 1 keys: tiles near the window's size waste little.
-    size = step.tile if window is None else max(MIN_SLIDING_TILE, min(window, step.tile))
+    size = step.tile if window is None else min(step.tile, max(window, MIN_SLIDING_TILE))
     tiles = []
     for q0 in range(0, n, size):
         q1 = min(n, q0 + size)
@@ -153,7 +153,8 @@ class Workspace:
 
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [B, Hk, Lk, D]
-KEPT_RUNS = 2  # runs whose gather buffers the workspace keeps: the decode and padded runs of a sorted step
+KEPT_RUNS = 2  # the workspace keeps the gathers of the first two runs unless tiled: a sorted step's decodes and
+# short chunks (a long chunk's gather is large and its compute dwarfs the page faults of a fresh buffer)
 
 
 class PagedAttention:
@@ -200,7 +201,7 @@ class PagedAttention:
         b, nb = run.num_reqs, r.num_blocks
         _, bs, _, hk, d = cache.shape
         tables = self.step.pack[r.tables]
-        if index < KEPT_RUNS:
+        if index < KEPT_RUNS and run.kind != TILED:
             out = self.workspace.get((id(cache), index), (b * nb, bs, 2, hk, d), cache.dtype, cache.device)
             kv = torch.index_select(cache, 0, tables, out=out)
         else:

@@ -10,7 +10,7 @@ from hybridkv.engine.output import SchedulerOutput
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
 from hybridkv.models.base import CausalLM
-from hybridkv.runner.attention import GroupMetadata, PagedAttention, Workspace
+from hybridkv.runner.attention import GroupMetadata, PagedAttention, Tile, Workspace
 from hybridkv.runner.step_index import QUERY_TILE, IndexPack, StepIndex, run_kind
 
 
@@ -35,7 +35,7 @@ class ModelRunner:
         ends = list(itertools.accumulate(step.lengths))
         sampled = [i for i, c in enumerate(chunks) if c.sample]
         rows_slot = pack.add([ends[i] - 1 for i in sampled])
-        masks: dict[tuple, torch.Tensor] = {}
+        masks: dict[tuple, list[Tile]] = {}
         metadata = [
             GroupMetadata.build(
                 step, [c.block_tables[g.group_id] for c in chunks], g.block_size, g.sliding_window, self.device, masks
