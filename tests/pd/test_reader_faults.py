@@ -1,0 +1,106 @@
+"""NixlReader's read-timeout paths with a fake transport and peer I/O: no NIXL, no processes. A read that
+outlives kv_transfer_timeout_s is cancelled; while NIXL refuses to cancel, the blocks stay held (the load is not
+reported), and they are handed back the moment NIXL lets go."""
+
+import json
+from pathlib import Path
+
+from hybridkv.connectors.base import ConnectorEvents
+from hybridkv.connectors.descriptors import Placement
+from hybridkv.connectors.nixl_reader import NixlReader, prompt_hash
+from hybridkv.engine.request import Request
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.kv.planner import CacheConfig, plan_from_hf_config
+
+CONFIG = json.loads((Path(__file__).parents[2] / "examples/configs/gemma4-e2b-like.json").read_text())
+
+
+class FakeTransport:
+    device_id = 0
+
+    def __init__(self, state: str, refusals: int) -> None:
+        self.current, self.refusals, self.released = state, refusals, 0
+
+    def read(self, descs, agent):
+        return "handle"
+
+    def state(self, handle) -> str:
+        return self.current
+
+    def release(self, handle) -> bool:
+        if self.refusals:
+            self.refusals -= 1
+            return False
+        self.released += 1
+        return True
+
+
+class FakeIO:
+    def __init__(self) -> None:
+        self.tracked, self.released = [], []
+
+    def track(self, request_id, host, port, remote_request_id) -> None:
+        self.tracked.append(request_id)
+
+    def release_tracked(self, request_id, report) -> None:
+        self.released.append((request_id, report))
+
+    def results(self):
+        return []
+
+
+def reader(transport: FakeTransport, io: FakeIO, timeout_s: float) -> NixlReader:
+    plan = plan_from_hf_config(CONFIG, CacheConfig(64 << 20, 1024), block_size=16, dtype="float32")
+    here = Placement.of(plan, [(i + 1) << 40 for i in range(len(plan.buffer_sizes))])
+    r = NixlReader(plan, transport, here, {}, io, timeout_s)
+    r.peers["prefill-0"] = ("agent", here)  # handshake already done
+    return r
+
+
+def start(r: NixlReader) -> Request:
+    prompt = list(range(4, 68))
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "prefill-0",
+        "remote_host": "127.0.0.1",
+        "remote_port": 1,
+        "remote_request_id": "p-1",
+        "remote_block_ids": [[1, 2, 3, 4] for _ in r.plan.groups],
+        "remote_num_tokens": len(prompt),
+        "prompt_hash": prompt_hash(prompt),
+    }
+    req = Request("r-1", prompt, SamplingParams(), 16, kv_transfer_params=params)
+    req.num_external_tokens = r.num_external_tokens(req, 0)
+    r.start_load(req, [[5, 6, 7, 8] for _ in r.plan.groups], 0)
+    return req
+
+
+def test_a_read_past_its_timeout_fails_once_nixl_lets_go_and_holds_blocks_until_then():
+    transport, io = FakeTransport("PROC", refusals=2), FakeIO()
+    r = reader(transport, io, timeout_s=0.0)
+    start(r)
+    polls = []
+    for _ in range(4):
+        events = ConnectorEvents()
+        r.poll(events)
+        polls.append(dict(events.loaded))
+    # Poll 1 starts the read. Polls 2 and 3: past the timeout, but NIXL refuses to cancel, so nothing is reported
+    # and the blocks stay with the read. Poll 4: cancelled, so the load fails and the lease is given up.
+    assert polls == [{}, {}, {}, {"r-1": False}]
+    assert transport.released == 1 and io.released == [("r-1", False)]
+    assert r.stats["kv_transfer_failures"] == 1 and not r.loads
+
+
+def test_an_aborted_read_frees_its_blocks_only_after_the_read_is_over():
+    transport, io = FakeTransport("PROC", refusals=0), FakeIO()
+    r = reader(transport, io, timeout_s=60.0)
+    start(r)
+    r.poll(ConnectorEvents())  # the read starts
+    assert r.abort("r-1") is False  # still in flight: the scheduler keeps the blocks
+    events = ConnectorEvents()
+    r.poll(events)
+    assert events.released == []
+    transport.current = "DONE"
+    events = ConnectorEvents()
+    r.poll(events)
+    assert events.released == ["r-1"] and not r.loads
