@@ -1,4 +1,4 @@
-"""Sampler: greedy, temperature, top-k, top-p, with a per-request seed."""
+"""Sampler: penalties, then greedy, temperature, top-k, top-p, with a per-request seed."""
 
 from __future__ import annotations
 
@@ -15,9 +15,16 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     banned: Sequence[Sequence[int]] = (),
+    history: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
 ) -> list[int]:
-    """logits: [M, vocab]. `banned[i]` are token ids row i may not pick (EOS before min_tokens)."""
+    """logits: [M, vocab]. `banned[i]` are token ids row i may not pick (EOS before min_tokens); `history[i]`:
+    row i's (prompt, output) token ids, needed only by rows with penalties."""
     logits = logits.float()
+    if any(banned) or any(p.penalized for p in params):
+        logits = logits.clone()  # the caller's logits stay raw (logprobs read them), and may be inference tensors
+    for i, p in enumerate(params):
+        if p.penalized:
+            logits[i] = penalize(logits[i], p, *history[i])
     for i, ids in enumerate(banned):
         if ids:
             logits[i, list(ids)] = float("-inf")
@@ -36,6 +43,21 @@ def sample(
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
         out[i] = int(torch.multinomial(probs.cpu(), 1, generator=generators[i]).item())
     return out
+
+
+def penalize(row: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> torch.Tensor:
+    """vLLM's order: the repetition penalty on every token seen (prompt or output), then frequency and presence
+    penalties on the output's tokens. row: [vocab] float32 logits."""
+    if p.repetition_penalty != 1.0 and (prompt or output):
+        seen = torch.zeros_like(row, dtype=torch.bool)
+        seen[torch.tensor([*prompt, *output], device=row.device)] = True
+        scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        row = torch.where(seen, scaled, row)
+    if output and (p.frequency_penalty or p.presence_penalty):
+        ids = torch.tensor(output, device=row.device)
+        counts = torch.zeros_like(row).scatter_add_(0, ids, torch.ones(len(output), device=row.device))
+        row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    return row
 
 
 @dataclass(frozen=True)

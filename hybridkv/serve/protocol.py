@@ -37,6 +37,9 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0)
     kv_transfer_params: dict[str, Any] | None = None  # prefill/decode disaggregation (vLLM's field)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -51,6 +54,9 @@ class _Sampling(BaseModel):
                 stop=tuple(stop),
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
                 logprobs=getattr(self, "logprobs", None),
             )
         except ValueError as e:

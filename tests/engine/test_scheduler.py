@@ -106,7 +106,17 @@ def test_bad_requests_are_rejected_and_lose_nothing():
 
 
 @pytest.mark.parametrize(
-    "kw", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"min_tokens": 9, "max_tokens": 2}]
+    "kw",
+    [
+        {"max_tokens": 0},
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_k": -2},
+        {"min_tokens": 9, "max_tokens": 2},
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3},
+        {"repetition_penalty": 0},
+    ],
 )
 def test_sampling_params_validation(kw):
     with pytest.raises(ValueError):

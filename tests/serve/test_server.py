@@ -141,6 +141,8 @@ def test_completion_logprobs_stream_and_not(url):
         ({}, 400, "prompt"),
         ({"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
         ({"prompt": "hi", "echo": True}, 400, "echo"),
+        ({"prompt": "hi", "frequency_penalty": 3}, 400, "frequency_penalty"),
+        ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
         ({"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True}}, 400, "--kv-transfer-config"),
     ],
 )
