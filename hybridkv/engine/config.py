@@ -39,6 +39,8 @@ class EngineConfig:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and one generated), got {self.max_model_len}")
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
         if self.kv_offload_cpu is not None or self.kv_offload_disk is not None:
             if self.kv_transfer_config is not None:

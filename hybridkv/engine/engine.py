@@ -32,7 +32,13 @@ class LLMEngine:
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         hf = load_hf_config(config.model)
         text = hf.get("text_config", hf)
-        max_len = config.max_model_len or min(text.get("max_position_embeddings", 8192), 8192)
+        limit = text.get("max_position_embeddings")
+        if config.max_model_len and limit and config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings ({limit}): "
+                f"positions past it were never trained; pass max_model_len <= {limit}"
+            )
+        max_len = config.max_model_len or min(limit or 8192, 8192)
         model_kv = model_kv_from_hf(hf, block_size=config.block_size, dtype=config.dtype)
         self.plan = plan_kv_cache(
             model_kv,
@@ -80,6 +86,8 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         if kv_transfer_params and self.connector is None:
             raise ValueError("kv_transfer_params need a server started with --kv-transfer-config")
         rid = request_id or f"req-{next(self._ids)}"
@@ -121,7 +129,7 @@ class LLMEngine:
     def _check_stop_strings(self, reqs: list[Request]) -> list[Request]:
         done = []
         for r in reqs:
-            if not r.params.stop or self.tokenizer is None:
+            if not r.params.stop or self.tokenizer is None or len(r.output_token_ids) < r.params.min_tokens:
                 continue
             text = self.tokenizer.decode(r.output_token_ids)
             hit = next((s for s in r.params.stop if s in text), None)
@@ -134,7 +142,10 @@ class LLMEngine:
     def output_text(self, req: Request) -> str:
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(req.output_token_ids)
+        ids = req.output_token_ids
+        if isinstance(req.stop_reason, int):  # EOS or a stop token: its text is not part of the output (as vLLM)
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids)
         if isinstance(req.stop_reason, str):
             text = text[: text.find(req.stop_reason)]
         return text

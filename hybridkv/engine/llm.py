@@ -48,9 +48,16 @@ class LLM:
         per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} sampling params")
-        reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
-        while self.engine.has_unfinished():
-            self.engine.step()
+        reqs = []
+        try:  # all or nothing: a bad prompt, or a step that fails, leaves no request behind
+            for p, sp in zip(prompts, per_prompt):
+                reqs.append(self.engine.add_request(p, sp))
+            while self.engine.has_unfinished():
+                self.engine.step()
+        except BaseException:
+            for r in reqs:
+                self.engine.abort(r.request_id)
+            raise
         return [
             RequestOutput(
                 r.request_id,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -72,8 +73,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         check_model(req.model)
         if req.echo:
             raise APIError(400, "echo=true is not supported: the response holds the completion only", param="echo")
-        batch = isinstance(req.prompt, list) and bool(req.prompt) and isinstance(req.prompt[0], str)
-        prompts = req.prompt if batch else [req.prompt]
+        prompts = req.prompts()
         if req.stream and len(prompts) > 1:
             raise APIError(400, "streaming takes one prompt", param="prompt")
         ids = [prompt_ids(p) for p in prompts]
@@ -89,8 +89,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
                 token_text=token_text,
             )
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
-        for i, p in enumerate(ids):
-            text, last, entries = await _collect(engine.generate(p, params, req.kv_transfer_params))
+        results = await asyncio.gather(*(_collect(engine.generate(p, params, req.kv_transfer_params)) for p in ids))
+        for i, (text, last, entries) in enumerate(results):
             lp = None if params.logprobs is None else completion_logprobs(entries, token_text)
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": last.finish_reason})
             usage["prompt_tokens"] += last.num_prompt_tokens

@@ -189,6 +189,10 @@ class AsyncEngine:
             text = self.engine.output_text(req)
             if not req.status.finished:
                 text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its next bytes
+                # The end may be the start of a stop string the next tokens complete: hold it back, since text
+                # once sent cannot be taken back when the stop string is cut off.
+                hold = max(map(len, req.params.stop), default=1) - 1
+                text = text[: max(len(s.sent_text), len(text) - hold)]
             new_ids = req.output_token_ids[s.sent_tokens :]
             now = time.monotonic()
             if new_ids:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hybridkv.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -23,7 +26,7 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored with a warning, as vLLM does
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -33,6 +36,9 @@ class _Sampling(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
+    best_of: int | None = Field(default=None, ge=1, le=1)
+    stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -44,44 +50,91 @@ class _Sampling(BaseModel):
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         try:
             return SamplingParams(
-                max_tokens=self.max_tokens or default_max_tokens,
+                max_tokens=self._max_tokens() or default_max_tokens,
                 temperature=self.temperature,
                 top_p=self.top_p,
                 top_k=self.top_k,
                 seed=self.seed,
                 stop=tuple(stop),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
-                logprobs=getattr(self, "logprobs", None),
+                logprobs=self._logprobs(),
             )
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        return None
+
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of a batch (a list of strings or of token-id lists), or the one prompt."""
+        batch = isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
+        return list(self.prompt) if batch else [self.prompt]  # type: ignore[list-item]
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(BaseModel):
+    type: str
+    text: str = ""
 
 
 class ChatMessage(BaseModel):
     role: str
-    content: str
+    content: str | list[TextPart]
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content: str | list[TextPart]) -> str:
+        """OpenAI content parts: text parts are joined; other kinds (images, audio) are not supported."""
+        if isinstance(content, str):
+            return content
+        kinds = {p.type for p in content} - {"text"}
+        if kinds:
+            raise ValueError(f"only text content parts are supported, got {', '.join(sorted(kinds))}")
+        return "".join(p.text for p in content)
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        if self.logprobs or self.top_logprobs:
+            raise APIError(400, "logprobs on chat completions are not supported: use /v1/completions", "logprobs")
+        return None
 
 
 def parse(model: type[BaseModel], body: Any) -> Any:
     """Validate a JSON body; the first problem becomes a 400 naming the field."""
     try:
-        return model.model_validate(body)
+        parsed = model.model_validate(body)
+        if parsed.model_extra:
+            logger.warning("request fields ignored (not supported): %s", ", ".join(sorted(parsed.model_extra)))
+        return parsed
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "body"

@@ -142,3 +142,30 @@ def test_logprobs_are_the_models_log_softmax(llm, folder):
     assert llm.generate([ids], SamplingParams(max_tokens=2))[0].outputs[0].logprobs is None
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)
+
+
+def test_bad_ids_and_params_fail_cleanly_and_leave_no_request_behind(llm):
+    for bad in ([[2, 99999]], [[2, -1]], ["fine", [2, 99999]]):
+        with pytest.raises(ValueError, match="token ids must be integers"):
+            llm.generate(bad, SamplingParams(max_tokens=2))
+        assert not llm.engine.has_unfinished()  # "fine" was added, then aborted with the batch
+    for kw in ({"logprobs": True}, {"top_k": 1.5}, {"seed": 2**70}, {"seed": 1.5}):
+        with pytest.raises(ValueError, match=r"logprobs|top_k|seed"):
+            SamplingParams(**kw)
+    assert SamplingParams(stop=None).stop == ()
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
+
+
+def test_max_model_len_beyond_the_model_is_refused(folder):
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", max_model_len=4096)
+
+
+def test_min_tokens_also_defers_stop_strings(llm):
+    free = llm.generate("the lazy", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    stop = free.text[1:3]
+    early = llm.generate("the lazy", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]))
+    late = llm.generate(
+        "the lazy", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop], min_tokens=6)
+    )
+    assert len(early[0].outputs[0].token_ids) < 6 <= len(late[0].outputs[0].token_ids)
