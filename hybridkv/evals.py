@@ -42,6 +42,21 @@ def write_task(folder: Path, data: Path, max_tokens: int = 8) -> Path:
     return folder
 
 
+def check_served_model(base_url: str, model_name: str) -> None:
+    """Fail with a clear ValueError unless the server at `base_url` answers /v1/models and serves `model_name`
+    (lm-eval itself would retry for minutes and end in a transport traceback)."""
+    import httpx
+
+    try:
+        reply = httpx.get(f"{base_url}/v1/models", timeout=10)
+        reply.raise_for_status()
+        served = [m["id"] for m in reply.json()["data"]]
+    except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"cannot list the models of {base_url} (GET /v1/models: {e}); is the server up?") from e
+    if model_name not in served:
+        raise ValueError(f"{base_url} serves {', '.join(served)}, not {model_name!r}: pass --served-model-name")
+
+
 def lm_eval_server_accuracy(
     base_url: str,
     model_name: str,

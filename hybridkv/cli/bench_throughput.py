@@ -21,7 +21,7 @@ def bench_throughput(
     kv_layout: Annotated[str, typer.Option(help=" | ".join(KV_LAYOUTS))] = "auto",
     kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget, e.g. 1GiB")] = "1GiB",
     max_num_batched_tokens: Annotated[int, typer.Option(help="token budget of one step")] = 2048,
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:

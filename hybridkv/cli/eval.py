@@ -15,12 +15,12 @@ def evaluate(
     data: Annotated[
         str | None, typer.Option(help="jsonl of {prompt, answer} (default: the model's heldout.jsonl)")
     ] = None,
-    limit: Annotated[int | None, typer.Option(help="score only the first N items")] = None,
-    batch_size: Annotated[int, typer.Option(help="prompts submitted at once")] = 64,
-    max_tokens: Annotated[int, typer.Option()] = 8,
+    limit: Annotated[int | None, typer.Option(min=1, help="score only the first N items")] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="prompts submitted at once")] = 64,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 8,
     kv_layout: Annotated[str, typer.Option(help=" | ".join(KV_LAYOUTS))] = "auto",
     enable_prefix_caching: Annotated[bool, typer.Option()] = True,
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads")] = None,
     server: Annotated[
         str | None, typer.Option(help="score a running server (e.g. http://127.0.0.1:8000) through lm-eval instead")
     ] = None,
@@ -42,9 +42,16 @@ def evaluate(
     folder = Path(model) if model else DEFAULT_MODEL_DIR
     path = Path(data) if data else folder / "heldout.jsonl"
     if server:
-        from hybridkv.evals import lm_eval_server_accuracy
+        from hybridkv.evals import check_served_model, lm_eval_server_accuracy
 
-        acc = lm_eval_server_accuracy(server.rstrip("/"), served_model_name or folder.name, path, limit, chat=chat)
+        name = served_model_name or folder.name
+        try:
+            read_jsonl(path)
+            check_served_model(server.rstrip("/"), name)
+        except (OSError, ValueError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from e
+        acc = lm_eval_server_accuracy(server.rstrip("/"), name, path, limit, chat=chat)
         typer.echo(
             f"accuracy {acc:.4f} via lm-eval {'local-chat-completions' if chat else 'local-completions'} at {server}"
         )

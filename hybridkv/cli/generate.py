@@ -25,7 +25,7 @@ def generate(
     kv_layout: Annotated[str, typer.Option(help=" | ".join(KV_LAYOUTS))] = "auto",
     kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget, e.g. 1GiB")] = "1GiB",
     max_model_len: Annotated[int | None, typer.Option()] = None,
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads")] = None,
 ) -> None:
     import torch
 
@@ -37,11 +37,13 @@ def generate(
         torch.set_num_threads(threads)
     expected = None
     if not prompt:  # the main job: the embedded model answers one of its held-out questions
+        if model is not None:
+            typer.echo("error: --model needs --prompt (without both, the embedded model runs its demo)", err=True)
+            raise typer.Exit(2)
         from hybridkv.tasks.kv_recall import read_jsonl
 
         item = read_jsonl(DEFAULT_MODEL_DIR / "heldout.jsonl")[0]
-        prompt, expected, model = [item["prompt"]], item["answer"].strip(), None
-        typer.echo(item["prompt"], nl=False)
+        prompt, expected = [item["prompt"]], item["answer"].strip()
     try:
         engine = LLMEngine(
             EngineConfig(
@@ -57,6 +59,8 @@ def generate(
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
+    if expected is not None:
+        typer.echo(prompt[0], nl=False)
     start, shown = time.perf_counter(), ""
     stream = reqs[0] if len(reqs) == 1 else None
     while engine.has_unfinished():

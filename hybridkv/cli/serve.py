@@ -12,7 +12,7 @@ from hybridkv.kv.layout import KV_LAYOUTS
 def serve(
     model: Annotated[str | None, typer.Option(help="model folder (default: the embedded model)")] = None,
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
-    port: Annotated[int, typer.Option()] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
     served_model_name: Annotated[str | None, typer.Option(help="the name clients use (default: the folder's)")] = None,
     api_key: Annotated[
         str | None, typer.Option(help="require 'Authorization: Bearer KEY' on every route but /health")
@@ -21,8 +21,8 @@ def serve(
     kv_layout: Annotated[str, typer.Option(help=" | ".join(KV_LAYOUTS))] = "auto",
     kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget, e.g. 1GiB")] = "1GiB",
     max_model_len: Annotated[int | None, typer.Option()] = None,
-    max_num_seqs: Annotated[int, typer.Option()] = 128,
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    max_num_seqs: Annotated[int, typer.Option(min=1)] = 128,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads")] = None,
     kv_transfer_config: Annotated[
         str | None,
         typer.Option(

@@ -149,6 +149,8 @@ def _gemma4(cfg: Mapping[str, Any]) -> tuple[list[LayerAttn], dict[int, int]]:
     if "text_config" in cfg:
         cfg = cfg["text_config"]
     n = cfg["num_hidden_layers"]
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_hidden_layers must be a positive integer, got {n!r}")
     types = list(cfg.get("layer_types") or [])
     if not types:
         types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]

@@ -96,4 +96,18 @@ def write_jsonl(path: str | Path, n: int, seed: int) -> None:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, str]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+    """{prompt, answer} items, one JSON object per line; a malformed or empty file is a ValueError naming it."""
+    items = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from e
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or "answer" not in item:
+            raise ValueError(f"{path}:{n}: each line needs a string 'prompt' and an 'answer'")
+        items.append(item)
+    if not items:
+        raise ValueError(f"{path} holds no items")
+    return items
