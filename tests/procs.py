@@ -26,7 +26,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return
         except httpx.TransportError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"server did not start in {timeout:.0f} s")
 

@@ -30,13 +30,31 @@ PREFILL_DROPS = ("stream", "stream_options", "min_tokens", "logprobs", "top_logp
 def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
     if not prefill or not decode:
         raise ValueError("the proxy needs at least one --prefill and one --decode URL")
+    for url in prefill + decode:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{url!r} is not a URL: pass instances as http://HOST:PORT")
     app = FastAPI(title="hybridkv proxy")
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10), limits=httpx.Limits(max_connections=1024))
     prefills, decodes = itertools.cycle(prefill), itertools.cycle(decode)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "prefill": prefill, "decode": decode}
+    async def health() -> JSONResponse:
+        """200 when every instance answers its /health, else 503 naming those that do not."""
+        urls = prefill + decode
+        replies = await asyncio.gather(*(client.get(f"{u}/health", timeout=2) for u in urls), return_exceptions=True)
+        down = [u for u, r in zip(urls, replies) if isinstance(r, BaseException) or r.status_code != 200]
+        body = {"status": "unavailable" if down else "ok", "prefill": prefill, "decode": decode, "down": down}
+        return JSONResponse(body, status_code=503 if down else 200)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        """The decode instances' models (every instance serves the same one)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        try:
+            r = await client.get(f"{decode[0]}/v1/models", headers=headers, timeout=10)
+        except httpx.HTTPError as e:
+            return _error(APIError(502, f"decode instance {decode[0]} unreachable: {e}", "server_error"))
+        return JSONResponse(_json(r), status_code=r.status_code)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
