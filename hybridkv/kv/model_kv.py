@@ -25,6 +25,14 @@ class LayerAttn:
     head_size: int
     sliding_window: int | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("num_kv_heads", "head_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer (from the model config), got {value!r}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
 
 @dataclass(frozen=True)
 class ModelKV:

@@ -50,3 +50,13 @@ def test_plan_refuses_a_model_without_layers(tmp_path):
         app, ["plan", "--config", str(tmp_path / "config.json"), "--memory", "1GiB", "--max-model-len", "64"]
     )
     assert r.exit_code != 0 and "num_hidden_layers must be a positive integer" in r.output
+
+
+def test_layer_shapes_are_validated():
+    from hybridkv.kv.model_kv import LayerAttn
+
+    for kw in ({"num_kv_heads": 0, "head_size": 8}, {"num_kv_heads": 2, "head_size": 0}):
+        with pytest.raises(ValueError, match="must be a positive integer"):
+            LayerAttn("full_attention", **kw)
+    with pytest.raises(ValueError, match="sliding_window"):
+        LayerAttn("sliding_attention", 2, 8, sliding_window=0)
