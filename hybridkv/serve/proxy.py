@@ -9,9 +9,11 @@ stream, which aborts the request there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -33,8 +35,14 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
     for url in prefill + decode:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"{url!r} is not a URL: pass instances as http://HOST:PORT")
-    app = FastAPI(title="hybridkv proxy")
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10), limits=httpx.Limits(max_connections=1024))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="hybridkv proxy", lifespan=lifespan)
     prefills, decodes = itertools.cycle(prefill), itertools.cycle(decode)
 
     @app.get("/health")
@@ -122,10 +130,6 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
             await asyncio.to_thread(side_channel_request, params["remote_host"], int(params["remote_port"]), message)
         except (ConnectionError, KeyError, ValueError) as e:
             logger.warning("could not release a prefill lease: %s", e)
-
-    @app.on_event("shutdown")
-    async def close() -> None:
-        await client.aclose()
 
     return app
 
