@@ -1,8 +1,10 @@
 """NixlReader: the decode side of NixlConnector. For each request that carries a prefill instance's
 kv_transfer_params it handshakes once per peer, READs the blocks its own table needs, then releases the lease.
 
-Load states: handshake -> ready -> reading -> releasing, or failed. A load is reported `loaded` only once the peer
-confirms the lease was still held at release; blocks a read may still write are never handed back early.
+Load states: handshake -> confirming -> ready -> reading -> releasing, or failed. A read starts only after the peer
+confirms the lease is held (an expired one fails fast and the request recomputes, instead of a read that waits for
+its timeout); a load is reported `loaded` only once the peer confirms the lease was still held at release, and
+blocks a read may still write are never handed back early.
 """
 
 from __future__ import annotations
@@ -103,9 +105,13 @@ class NixlReader:
             self._fail(load, f"bad remote_block_ids: {e}")
             return
         if engine_id in self.peers:
-            load.state = "ready"
+            self._confirm(load)
         else:
             self.io.handshake(engine_id, host, port, self.handshake)
+
+    def _confirm(self, load: _Load) -> None:
+        load.state = "confirming"
+        self.io.confirm(load.request_id)
 
     def abort(self, request_id: str) -> bool:
         load = self.loads.get(request_id)
@@ -123,12 +129,20 @@ class NixlReader:
         for kind, key, value in self.io.results():
             if kind == "handshake":
                 self._on_handshake(key, value)
+            elif kind == "lease" and key in self.loads and self.loads[key].state == "confirming":
+                if value is True:
+                    self.loads[key].state = "ready"
+                else:
+                    lost = "the prefill instance's lease had ended before the read" if value is False else str(value)
+                    self._fail(self.loads[key], lost)
             elif kind == "release" and key in self.loads:
                 del self.loads[key]
                 events.loaded[key] = value is True
                 if value is not True:
                     lost = "the prefill instance's lease ended before the read finished"
                     events.errors[key] = lost if value is False else str(value)
+                    self.stats["kv_transfer_failures"] += 1
+                    logger.warning("request %s: KV load discarded: %s", key, events.errors[key])
         for load in list(self.loads.values()):
             if load.state == "ready":
                 self._start_read(load)
@@ -155,7 +169,7 @@ class NixlReader:
         for load in self.loads.values():
             if load.engine_id == engine_id and load.state == "handshake":
                 if error is None:
-                    load.state = "ready"
+                    self._confirm(load)
                 else:
                     self._fail(load, f"handshake with the prefill instance failed: {error}")
 

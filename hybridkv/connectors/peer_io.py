@@ -52,6 +52,26 @@ class PeerIO:
 
         self._jobs.put(job)
 
+    def confirm(self, request_id: str) -> None:
+        """Renew a tracked request's lease now; posts ("lease", request_id, True if it is held, False if it had
+        ended, or an error string). A read may start only once the lease is known to be held: a peer that has
+        let the blocks go no longer drives its side of the transfer."""
+        with self._lock:
+            target = self._tracked.get(request_id)
+        if target is None:
+            self._post("lease", request_id, "the request was not tracked")
+            return
+        host, port, remote_id = target
+
+        def job() -> None:
+            try:
+                held: Any = bool(request(host, port, {"op": "renew", "request_id": remote_id}, self.timeout_s)["ok"])
+            except (ConnectionError, KeyError) as e:
+                held = f"could not reach the prefill instance: {e}"
+            self._post("lease", request_id, held)
+
+        self._jobs.put(job)
+
     def release_tracked(self, request_id: str, report: bool) -> None:
         """Release a tracked request's lease; with `report`, post ("release", request_id, True if the lease was
         still held, False if it had ended, or an error string)."""

@@ -100,6 +100,8 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
             except httpx.HTTPError as e:
                 await release(params)
                 return _error(APIError(502, f"decode instance {d_url} unreachable: {e}", "server_error"))
+            if r.status_code != 200:
+                await release(params)  # the decoder refused the request: nobody will read the prefill's blocks
             return JSONResponse(_json(r), status_code=r.status_code)
         upstream = client.build_request("POST", d_url + route, json=second, headers=headers)
         try:
@@ -110,6 +112,7 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
         if response.status_code != 200:
             content = await response.aread()
             await response.aclose()
+            await release(params)
             return JSONResponse(json.loads(content or b"{}"), status_code=response.status_code)
 
         async def stream():

@@ -152,10 +152,15 @@ def test_an_expired_lease_frees_prefill_and_the_decoder_recomputes(embedded):
     assert kv_state(p)["blocks_used"] > 0  # held under the lease
     time.sleep(3.5)
     assert kv_state(p)["blocks_used"] == 0 and kv_state(p)["connector"]["kv_leases_expired_total"] >= 1
-    failures = kv_state(d)["connector"]["kv_transfer_failures"]
+    before = kv_state(d)["connector"]
+    start = time.monotonic()
     out = complete(d.url, prompt, kv_transfer_params=params)  # the blocks may be reused: never trust them
     assert out["choices"][0]["text"] == single_instance(str(DEFAULT_MODEL_DIR), [prompt])[0]
-    assert kv_state(d)["connector"]["kv_transfer_failures"] == failures  # the read itself worked; the lease did not
+    after = kv_state(d)["connector"]
+    # The decoder confirms the lease before reading: it had ended, so no read starts (one would wait for its
+    # timeout, as the prefill no longer drives the transfer) and the request recomputes at once.
+    assert after["kv_transfer_failures"] == before["kv_transfer_failures"] + 1
+    assert after["kv_transfer_reads"] == before["kv_transfer_reads"] and time.monotonic() - start < 5
     assert_clean(p, d)
 
 
@@ -227,6 +232,18 @@ def test_client_aborts_before_and_during_the_transfer_free_both_sides(embedded):
         body = {"prompt": HELDOUT[30]["prompt"], "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{x.url}/v1/completions", json=body, timeout=60):
             time.sleep(delay)
+    assert_clean(p, d)
+
+
+def test_a_request_the_decoder_refuses_releases_the_prefill_lease(embedded):
+    """min_tokens > max_tokens passes the prefill step (the proxy drops min_tokens there) and is refused by the
+    decoder: the proxy releases the prefill's blocks at once instead of leaving them leased."""
+    p, d, x = embedded
+    for stream in (False, True):
+        body = {"prompt": HELDOUT[31]["prompt"], "max_tokens": 2, "min_tokens": 5, "stream": stream}
+        r = httpx.post(f"{x.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "min_tokens" in r.text
+        assert kv_state(p)["blocks_used"] == 0
     assert_clean(p, d)
 
 

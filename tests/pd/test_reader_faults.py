@@ -1,6 +1,6 @@
 """NixlReader's read-timeout paths with a fake transport and peer I/O: no NIXL, no processes. A read that
 outlives kv_transfer_timeout_s is cancelled; while NIXL refuses to cancel, the blocks stay held (the load is not
-reported), and they are handed back the moment NIXL lets go."""
+reported), and they are handed back the moment NIXL lets go. A lease that ended before the read fails at once."""
 
 import json
 from pathlib import Path
@@ -21,7 +21,10 @@ class FakeTransport:
     def __init__(self, state: str, refusals: int) -> None:
         self.current, self.refusals, self.released = state, refusals, 0
 
+    reads = 0
+
     def read(self, descs, agent):
+        self.reads += 1
         return "handle"
 
     def state(self, handle) -> str:
@@ -36,8 +39,12 @@ class FakeTransport:
 
 
 class FakeIO:
-    def __init__(self) -> None:
-        self.tracked, self.released = [], []
+    def __init__(self, lease_held: bool = True) -> None:
+        self.tracked, self.released, self.posted = [], [], []
+        self.lease_held = lease_held
+
+    def confirm(self, request_id) -> None:
+        self.posted.append(("lease", request_id, self.lease_held))
 
     def track(self, request_id, host, port, remote_request_id) -> None:
         self.tracked.append(request_id)
@@ -46,7 +53,8 @@ class FakeIO:
         self.released.append((request_id, report))
 
     def results(self):
-        return []
+        out, self.posted = self.posted, []
+        return out
 
 
 def reader(transport: FakeTransport, io: FakeIO, timeout_s: float) -> NixlReader:
@@ -104,3 +112,15 @@ def test_an_aborted_read_frees_its_blocks_only_after_the_read_is_over():
     events = ConnectorEvents()
     r.poll(events)
     assert events.released == ["r-1"] and not r.loads
+
+
+def test_a_lease_that_already_ended_fails_fast_without_a_read():
+    """The decoder confirms the lease before reading: a peer that let the blocks go would not drive the read,
+    which would then wait for its whole timeout."""
+    transport, io = FakeTransport("PROC", refusals=0), FakeIO(lease_held=False)
+    r = reader(transport, io, timeout_s=60.0)
+    start(r)
+    events = ConnectorEvents()
+    r.poll(events)
+    assert events.loaded == {"r-1": False} and transport.reads == 0
+    assert io.released == [("r-1", False)] and r.stats["kv_transfer_failures"] == 1
