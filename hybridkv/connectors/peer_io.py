@@ -58,38 +58,31 @@ class PeerIO:
         let the blocks go no longer drives its side of the transfer."""
         with self._lock:
             target = self._tracked.get(request_id)
-        if target is None:
-            self._post("lease", request_id, "the request was not tracked")
-            return
-        host, port, remote_id = target
-
-        def job() -> None:
-            try:
-                held: Any = bool(request(host, port, {"op": "renew", "request_id": remote_id}, self.timeout_s)["ok"])
-            except (ConnectionError, KeyError) as e:
-                held = f"could not reach the prefill instance: {e}"
-            self._post("lease", request_id, held)
-
-        self._jobs.put(job)
+        self._ask(target, "renew", "lease", request_id, report=True)
 
     def release_tracked(self, request_id: str, report: bool) -> None:
         """Release a tracked request's lease; with `report`, post ("release", request_id, True if the lease was
         still held, False if it had ended, or an error string)."""
         with self._lock:
             target = self._tracked.pop(request_id, None)
+        self._ask(target, "release", "release", request_id, report)
+
+    def _ask(self, target: tuple[str, int, str] | None, op: str, kind: str, request_id: str, report: bool) -> None:
+        """Send `op` for a tracked lease on the I/O thread; with `report`, post (kind, request_id, the peer's ok
+        or an error string)."""
         if target is None:
             if report:
-                self._post("release", request_id, "the request was not tracked")
+                self._post(kind, request_id, "the request was not tracked")
             return
         host, port, remote_id = target
 
         def job() -> None:
             try:
-                valid: Any = bool(request(host, port, {"op": "release", "request_id": remote_id}, self.timeout_s)["ok"])
+                value: Any = bool(request(host, port, {"op": op, "request_id": remote_id}, self.timeout_s)["ok"])
             except (ConnectionError, KeyError) as e:
-                valid = f"could not release the lease at the prefill instance: {e}"
+                value = f"could not {op} the lease at the prefill instance: {e}"
             if report:
-                self._post("release", request_id, valid)
+                self._post(kind, request_id, value)
 
         self._jobs.put(job)
 
