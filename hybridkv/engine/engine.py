@@ -115,7 +115,8 @@ class LLMEngine:
             r.eos_token_ids + r.params.stop_token_ids if len(r.output_token_ids) < r.params.min_tokens else ()
             for r in reqs
         ]
-        history = [(r.prompt_token_ids, r.output_token_ids) for r in reqs]  # read only by penalized rows
+        penalized = any(r.params.penalized for r in reqs)
+        history = [(r.prompt_token_ids, r.output_token_ids) for r in reqs] if penalized else ()
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], banned, history)
         wants = [i for i, r in enumerate(reqs) if r.logprobs is not None]
         if wants:

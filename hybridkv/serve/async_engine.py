@@ -22,6 +22,7 @@ from hybridkv.runner.sampler import TokenLogprob
 from hybridkv.serve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
+DECODE_OVERLAP = 6  # tokens decoded again before the new ones, for their context
 
 
 @dataclass
@@ -51,6 +52,8 @@ class _Stream:
     last_token_time: float = 0.0
     sent_tokens: int = 0
     sent_text: str = ""
+    text: str = ""  # the decoded text of output tokens [0, decoded), complete characters only
+    decoded: int = 0
 
 
 class AsyncEngine:
@@ -186,9 +189,10 @@ class AsyncEngine:
             req = s.request
             if req is None or (len(req.output_token_ids) == s.sent_tokens and not req.status.finished):
                 continue
-            text = self.engine.output_text(req)
-            if not req.status.finished:
-                text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its next bytes
+            if req.status.finished:
+                text = self.engine.output_text(req)  # once: stop strings cut, a stop token's text left out
+            else:
+                text = self._decoded(s, req)
                 # The end may be the start of a stop string the next tokens complete: hold it back, since text
                 # once sent cannot be taken back when the stop string is cut off.
                 hold = max(map(len, req.params.stop), default=1) - 1
@@ -221,6 +225,20 @@ class AsyncEngine:
                 self._streams.pop(rid, None)
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_deliver, items)
+
+    def _decoded(self, s: _Stream, req: Request) -> str:
+        """The request's output text so far, decoding only the new tokens and a few before them (decoding the
+        whole output every step would cost O(length) per token). The overlap gives the new tokens the same
+        context (leading spaces, multi-byte characters) they have in the full text."""
+        tokenizer, ids = self.engine.tokenizer, req.output_token_ids
+        if tokenizer is None or s.decoded == len(ids):
+            return s.text
+        start = max(0, s.decoded - DECODE_OVERLAP)
+        before = tokenizer.decode(ids[start : s.decoded])
+        after = tokenizer.decode(ids[start:])
+        if not after.endswith("\ufffd"):  # else an incomplete UTF-8 sequence: wait for its next bytes
+            s.text, s.decoded = s.text + after[len(before) :], len(ids)
+        return s.text
 
     def _send(self, rid: str, item: Update | BaseException) -> None:
         s = self._streams.get(rid)
