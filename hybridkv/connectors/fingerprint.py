@@ -1,26 +1,148 @@
-"""A cheap identity for a checkpoint: peers that exchange KV must run the same weights, not just the same shapes."""
+"""A checkpoint's identity: peers that exchange KV (PD, the disk tier) must run the same weights, not just shapes.
+
+`model_fingerprint` is a SHA-256 over every byte of config.json, every `*.safetensors` file and its index, and the
+tokenizer files that define token ids (those of `TOKENIZER_FILES` present), each framed by its length-prefixed name
+and its size, so no byte can move across a file boundary. Files are hashed in 8 MiB chunks, in parallel per file.
+
+Hashing a large checkpoint takes a while, so the digest is cached in `<model_dir>/.hybridkv-fingerprint.json` or,
+when the folder is not writable, `$XDG_CACHE_HOME/hybridkv/fingerprints/<sha256 of its realpath>.json`. An entry
+is keyed on the exact set of hashed files and each one's (size, mtime_ns, inode): rewriting a file in place and
+restoring its mtime goes unnoticed, as with `make` or `rsync`. An entry is trusted only if it is a regular file (not
+followed through a symlink) owned by us, not group/other-writable, and of the expected shape; otherwise it is
+recomputed and replaced.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import os
+import stat
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-SAMPLE = 64 << 10  # bytes read at each of a few fixed places in every weight file
+logger = logging.getLogger(__name__)
+
+VERSION = 1
+CACHE_NAME = ".hybridkv-fingerprint.json"
+CHUNK = 8 << 20
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+)
+_warned_no_cache = False
+
+Stats = list[dict[str, int | str]]  # per hashed file: name, size, mtime_ns, ino
+
+
+def _files(folder: Path) -> list[Path]:
+    names = ["config.json", "model.safetensors.index.json", *TOKENIZER_FILES]
+    found = [folder / n for n in names if (folder / n).is_file()]
+    return sorted(found + [p for p in folder.glob("*.safetensors") if p.is_file()], key=lambda p: p.name)
+
+
+def _stats(files: list[Path]) -> Stats:
+    out: Stats = []
+    for p in files:
+        st = p.stat()  # follows links: a hub snapshot's files are links into its blob store
+        out.append({"name": p.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino})
+    return out
+
+
+def _hash_file(path: Path) -> bytes:
+    h, buf = hashlib.sha256(), bytearray(CHUNK)
+    view = memoryview(buf)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.digest()
+
+
+def _digest(files: list[Path], stats: Stats) -> str:
+    with ThreadPoolExecutor(max(1, min(len(files), os.cpu_count() or 1, 8))) as pool:
+        contents = list(pool.map(_hash_file, files))  # hashlib drops the GIL on large updates
+    h = hashlib.sha256(b"hybridkv-model-fingerprint-v%d\0" % VERSION)
+    for st, content in zip(stats, contents):
+        name = str(st["name"]).encode()
+        h.update(len(name).to_bytes(8, "big") + name + int(st["size"]).to_bytes(8, "big") + content)
+    return h.hexdigest()
+
+
+def _cache_paths(folder: Path) -> list[Path]:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    key = hashlib.sha256(os.path.realpath(folder).encode()).hexdigest()
+    return [folder / CACHE_NAME, base / "hybridkv" / "fingerprints" / f"{key}.json"]
+
+
+def _read_cache(path: Path, stats: Stats) -> str | None:
+    """The cached digest if `path` is a trustworthy entry for exactly these files, else None (never raises)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                return None
+            entry = json.loads(f.read(16 << 20))
+        digest = entry["digest"]
+        ok = entry["version"] == VERSION and entry["files"] == stats and isinstance(digest, str)
+        return digest if ok and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest) else None
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _write_cache(path: Path, entry: dict, make_dir: bool) -> None:
+    """Atomically (temp file + rename in the same folder), mode 0600; raises OSError if the folder is not writable."""
+    if make_dir:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".hybridkv-fingerprint.", suffix=".tmp")  # created 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(entry, f)
+        os.replace(tmp, path)  # replaces a link at `path`, never writes through it
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
-    """SHA-256 of config.json and, per safetensors file, its name, size, header and three sampled chunks
-    (start, middle, end). Reads a few hundred KB however large the checkpoint is."""
+    """Hex SHA-256 identifying the checkpoint in `model_dir` (see the module docstring for what it covers)."""
+    global _warned_no_cache
     folder = Path(model_dir)
-    h = hashlib.sha256()
-    config = folder / "config.json"
-    if config.is_file():
-        h.update(config.read_bytes())
-    for path in sorted(folder.glob("*.safetensors")):
-        size = path.stat().st_size
-        h.update(f"{path.name}:{size}".encode())
-        with path.open("rb") as f:
-            for at in (0, max(0, size // 2 - SAMPLE // 2), max(0, size - SAMPLE)):
-                f.seek(at)
-                h.update(f.read(SAMPLE))
-    return h.hexdigest()
+    files = _files(folder)
+    stats = _stats(files)
+    caches = _cache_paths(folder)
+    for path in caches:
+        if (digest := _read_cache(path, stats)) is not None:
+            return digest
+    gib = sum(int(s["size"]) for s in stats) / (1 << 30)
+    logger.info("fingerprinting %s: hashing %.2f GiB in %d files (once; cached afterwards)", folder, gib, len(files))
+    start = time.perf_counter()
+    digest = _digest(files, stats)
+    took = time.perf_counter() - start
+    logger.info("fingerprinted %s in %.1f s (%.2f GiB/s)", folder, took, gib / max(took, 1e-9))
+    if _stats(files) != stats:
+        logger.warning("%s changed while it was being fingerprinted: not caching the result", folder)
+        return digest
+    entry = {"version": VERSION, "digest": digest, "files": stats}
+    errors = []
+    for i, path in enumerate(caches):
+        try:
+            _write_cache(path, entry, make_dir=i > 0)
+            return digest
+        except OSError as e:
+            errors.append(f"{path.parent}: {e.strerror or e}")
+    if not _warned_no_cache:
+        _warned_no_cache = True
+        logger.info("cannot cache the model fingerprint (%s): it is recomputed at every start", "; ".join(errors))
+    return digest
