@@ -24,6 +24,7 @@ import torch
 
 from hybridkv.connectors.base import ConnectorEvents, EngineIdentity, KVConnector, KVTransferConfig, register_connector
 from hybridkv.connectors.descriptors import compat_hash
+from hybridkv.connectors.mesh_auth import MeshKeys, load_secret
 from hybridkv.connectors.offload_config import CONNECTOR_NAME, OffloadConfig
 from hybridkv.connectors.offload_copy import BlockCopier
 from hybridkv.connectors.offload_cpu import CpuTier
@@ -49,6 +50,7 @@ def _background() -> None:
 class OffloadingConnector(KVConnector):
     def __init__(self, config: KVTransferConfig, identity: EngineIdentity) -> None:
         self.options = OffloadConfig.from_transfer_config(config)
+        self.keys = MeshKeys.derive(load_secret(self.options.secret_file))  # a bad secret file: ValueError here
         self.identity = identity
         self.stats = OffloadStats()
         self.stored: dict[str, int] = {}  # request -> blocks [0, n) already offered to the tiers
@@ -68,17 +70,20 @@ class OffloadingConnector(KVConnector):
         if self.options.disk_path is not None:
             compat = compat_hash(plan, self.identity.model_fingerprint, self.identity.dtype)
             options = self.options
-            self.disk = DiskTier(options.disk_path, compat, options.disk_bytes, options.eviction, slot_bytes)
+            self.disk = DiskTier(
+                options.disk_path, compat, options.disk_bytes, options.eviction, slot_bytes, keys=self.keys
+            )
         # A thread each: loads never wait behind disk writes. Idle threads hold no reference to this object.
         self.loader = Loader(self.cpu, self.disk, self.copier, self.stats, memory.device, lambda: self._wake())
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="hybridkv-offload-write", initializer=_background)
+        auth = "entries keyed by the mesh secret" if self.keys.authenticated else "no mesh secret: checksums only"
         logger.info(
             "KV offloading: %d CPU slots of %d bytes, layout %s (%s copies per block), disk %s",
             self.cpu.num_slots,
             slot_bytes,
             plan.layout,
             "/".join(str(self.copier.copies_per_block(g.group_id)) for g in plan.groups),
-            self.disk.dir if self.disk else "off",
+            f"{self.disk.dir} ({auth})" if self.disk else "off",
         )
 
     # ---- lookups -------------------------------------------------------------------------------------------

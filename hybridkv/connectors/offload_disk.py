@@ -1,52 +1,94 @@
 """DiskTier: offloaded KV blocks as files in a directory, one file per (block hash, group), kept across restarts.
 
-Entries live in `<root>/<compat hash prefix>/`, so instances of another model or KV shape never see them. A file
-is a fixed header (magic, full compat hash, block hash, group, payload length, SHA-256 of the payload) and the
-payload. Writes go to a temporary file in the same directory and are renamed into place (`os.replace`), so a
-reader, in this process or another one sharing the directory, sees a whole entry or none. Every read checks
-the header and the checksum: a corrupt or truncated entry is deleted and counted, never served. A write that
-fails (a full disk, a quota) is skipped with one warning; the tier keeps serving what it has.
+Layout. Entries live in `<root>/<dir id>/<block hash hex>-g<group>.kv`. Without a mesh secret the dir id is the
+first 32 hex digits of the compat hash (model weights, dtype, KV groups), so instances of another model or KV
+shape never see the entries; with one it is a keyed id, mac(disk key, "dir", compat hash)[:32], so instances with
+different secrets (or none) never share, serve or delete each other's entries. `root` is created 0700 if missing;
+the entry dir is created 0700, and an existing one must be a real directory (not a symlink) owned by this user
+(else a ValueError at start-up); group/other permission bits on it are removed with a warning, and a root that
+other users may write to without the sticky bit is warned about (they could swap the entry dir while we run).
+
+Entry format (version 2, little-endian):
+
+    magic "HKVOFF02" (8) | compat hash (32) | block hash (32) | group (u32) | payload bytes (u64) | tag (32) | payload
+
+    tag = HMAC-SHA256(disk key, len-prefixed(header fields before the tag), len-prefixed(payload))
+
+The disk key comes from the mesh secret (`mesh_auth.MeshKeys.disk`). With a secret the tag proves the entry was
+written by an instance holding that secret, for exactly this compat hash, block hash, group and length: a file
+planted or altered by anyone else, or moved under another entry's name, fails it. Without a secret the key is
+public and the tag is only an integrity checksum against corruption and truncation. Secrecy comes from modes,
+not from the tag: entries and temporary files are created 0600 (`O_CREAT|O_EXCL|O_NOFOLLOW`), in a 0700 dir.
+
+Writes go to a temporary file in the same directory and are renamed into place (`os.replace`), so a reader, in
+this process or another one sharing the directory, sees a whole entry or none. Reads open only regular files
+(`O_NOFOLLOW|O_NONBLOCK`, then `fstat`: a symlink, FIFO or device under an entry's name is never followed or
+waited on) and read the header and the payload in one `readv`. An entry that fails any check (wrong magic or
+header, wrong size, bad tag: forged, corrupt, truncated, another secret's, an old format) is deleted and counted
+(`corrupt`), never served; the load then recomputes. A write that fails (a full disk, a quota) is skipped with
+one warning; the tier keeps serving what it has.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import errno
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import time
 import uuid
 from pathlib import Path
 
+from hybridkv.connectors.mesh_auth import MeshKeys, mac, mac_ok
 from hybridkv.connectors.offload_policy import make_policy
 from hybridkv.kv.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
 
 Key = tuple[BlockHash, int]  # (block hash, group id)
-MAGIC = b"HKVOFF01"
-HEADER = struct.Struct("<8s32s32sIQ32s")  # magic, compat hash, block hash, group, payload bytes, sha256(payload)
+MAGIC = b"HKVOFF02"
+FIELDS = struct.Struct("<8s32s32sIQ")  # magic, compat hash, block hash, group, payload bytes
+HEADER = struct.Struct("<8s32s32sIQ32s")  # FIELDS, then the tag: mac(disk key, FIELDS bytes, payload)
 _NAME = re.compile(r"^([0-9a-f]{64})-g([0-9]+)\.kv$")
 STALE_TMP_S = 3600.0  # a temporary file this old was left by a crashed writer
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
+
+
+def dir_id(compat: str, keys: MeshKeys) -> str:
+    """The entry directory's name under the root: keyed with a secret, so that secrets never share one."""
+    if not keys.authenticated:
+        return compat[:32]
+    return mac(keys.disk, b"dir", compat.encode()).hex()[:32]
 
 
 class DiskTier:
     def __init__(
-        self, root: str | Path, compat: str, capacity_bytes: int, eviction: str = "lru", entry_bytes: int = 1 << 16
+        self,
+        root: str | Path,
+        compat: str,
+        capacity_bytes: int,
+        eviction: str = "lru",
+        entry_bytes: int = 1 << 16,
+        keys: MeshKeys | None = None,
     ) -> None:
-        """`entry_bytes`: a typical payload size; ARC sizes its ghost lists from the entries that fit."""
+        """`entry_bytes`: a typical payload size; ARC sizes its ghost lists from the entries that fit. `keys`:
+        the mesh keys (`MeshKeys.derive(load_secret(...))`); None means no secret (public keys)."""
         if len(compat) != 64:
             raise ValueError("the compatibility hash must be a SHA-256 hex digest")
         self.compat = compat
+        self._compat = bytes.fromhex(compat)
+        self._keys = keys if keys is not None else MeshKeys.derive(None)
+        self.authenticated = self._keys.authenticated
         self.capacity_bytes = capacity_bytes
-        self.dir = Path(root) / compat[:32]
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"cannot use {root} for the disk offload tier: {e}") from e
+        self.dir = Path(root) / dir_id(compat, self._keys)
+        self._make_dir(Path(root))
         self._sizes: dict[Key, int] = {}  # resident entries -> file size
         self._policy = make_policy(eviction, max(1, capacity_bytes // (HEADER.size + entry_bytes)))
         self._lock = threading.Lock()
@@ -58,23 +100,74 @@ class DiskTier:
         self._warned = False
         self._scan()
 
+    def _make_dir(self, root: Path) -> None:
+        """Create root (if missing) and the entry dir 0700; check an existing entry dir through an fd opened
+        without following a symlink, so that what is checked is what gets chmod'ed."""
+        try:
+            os.makedirs(root, 0o700, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.dir, 0o700)
+            fd = os.open(self.dir, _DIR)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR) and root.is_dir():
+                raise ValueError(
+                    f"the disk offload tier's directory {self.dir} is a symlink or not a directory: remove it "
+                    "(the tier recreates it) or choose another disk_path"
+                ) from e
+            raise ValueError(f"cannot use {root} for the disk offload tier: {e}") from e
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid():
+                raise ValueError(
+                    f"the disk offload tier's directory {self.dir} belongs to uid {st.st_uid}, not to this "
+                    f"server (uid {os.geteuid()}): remove it (another user may have planted it) or choose "
+                    "another disk_path"
+                )
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                logger.warning(
+                    "KV offload: %s had mode %o (other users could read or plant entries); setting it to 700",
+                    self.dir,
+                    stat.S_IMODE(st.st_mode),
+                )
+                os.fchmod(fd, 0o700)
+        except OSError as e:
+            raise ValueError(f"cannot use {self.dir} for the disk offload tier: {e}") from e
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            mode = os.stat(root).st_mode
+            if mode & 0o022 and not mode & stat.S_ISVTX:
+                logger.warning(
+                    "KV offload: %s is writable by other users and not sticky: they can replace %s while we "
+                    "run; use a root only this user can write to",
+                    root,
+                    self.dir.name,
+                )
+
     def _path(self, key: Key) -> Path:
         return self.dir / f"{key[0].hex()}-g{key[1]}.kv"
 
     def _scan(self) -> None:
-        """Adopt the entries a previous run left, oldest first, and trim them to capacity."""
+        """Adopt the regular entry files a previous run left, oldest first, and trim them to capacity. Nothing
+        is opened: symlinks and special files under an entry's name are removed, never followed."""
         found = []
         now = time.time()
         for entry in os.scandir(self.dir):
             try:
-                st = entry.stat()
+                st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if entry.name.endswith(".tmp"):
+            is_tmp, m = entry.name.endswith(".tmp"), _NAME.match(entry.name)
+            if not stat.S_ISREG(st.st_mode):
+                if m or is_tmp:
+                    logger.warning("KV offload: removed %s from %s: not a regular file", entry.name, self.dir)
+                    self.corrupt += bool(m)
+                    self._unlink(Path(entry.path))
+                continue
+            if is_tmp:
                 if now - st.st_mtime > STALE_TMP_S:
                     self._unlink(Path(entry.path))
                 continue
-            m = _NAME.match(entry.name)
             if m:
                 found.append((st.st_mtime, (bytes.fromhex(m.group(1)), int(m.group(2))), st.st_size))
         for _, key, size in sorted(found):
@@ -118,8 +211,12 @@ class DiskTier:
         with contextlib.suppress(OSError):  # already gone (another instance evicted it): nothing to serve
             path.unlink()
 
+    def _fields(self, key: Key, nbytes: int) -> bytes:
+        return FIELDS.pack(MAGIC, self._compat, key[0], key[1], nbytes)
+
     def write(self, key: Key, payload: memoryview) -> bool:
         """Store an entry atomically (an I/O thread). False when it was skipped: too big, or the write failed."""
+        payload = memoryview(payload).cast("B")
         size = HEADER.size + payload.nbytes
         with self._lock:
             if key in self._sizes:
@@ -128,12 +225,18 @@ class DiskTier:
                 self.skipped += 1
                 return False
             self._reserved += size
-        digest = hashlib.sha256(payload).digest()
-        header = HEADER.pack(MAGIC, bytes.fromhex(self.compat), key[0], key[1], payload.nbytes, digest)
+        fields = self._fields(key, payload.nbytes)
+        header = fields + mac(self._keys.disk, fields, payload)  # one pass over the payload
         path = self._path(key)
         tmp = self.dir / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
-            with open(tmp, "wb") as f:
+            fd = os.open(tmp, _WRITE, 0o600)
+            try:
+                f = open(fd, "wb")  # noqa: SIM115 (closed by the with below)
+            except BaseException:
+                os.close(fd)
+                raise
+            with f:
                 f.write(header)
                 f.write(payload)
             os.replace(tmp, path)
@@ -156,22 +259,11 @@ class DiskTier:
 
     def read(self, key: Key, out: memoryview) -> str:
         """Fill `out` (exactly the payload's length) with a verified entry. Returns "ok", "missing" (gone,
-        e.g. evicted by another instance) or "corrupt" (dropped and counted)."""
+        e.g. evicted by another instance) or "corrupt" (refused, dropped and counted)."""
+        out = memoryview(out).cast("B")
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
-                head = f.read(HEADER.size)
-                ok = len(head) == HEADER.size
-                if ok:
-                    magic, compat, block_hash, group, length, digest = HEADER.unpack(head)
-                    ok = (magic, compat, block_hash, group, length) == (
-                        MAGIC,
-                        bytes.fromhex(self.compat),
-                        key[0],
-                        key[1],
-                        out.nbytes,
-                    )
-                ok = ok and f.readinto(out) == out.nbytes and not f.read(1)
+            fd = os.open(path, _READ)  # a FIFO opens at once (non-blocking) and is refused below
         except FileNotFoundError:
             with self._lock:
                 if key in self._sizes:
@@ -179,11 +271,34 @@ class DiskTier:
                     self._policy.remove(key)
             return "missing"
         except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENXIO):  # a symlink; a socket
+                return self._refuse(key, path, "not a regular file")
             logger.warning("KV offload: reading %s failed: %s", path, e)
             return "missing"
-        if ok and hashlib.sha256(out).digest() == digest:
+        head, extra = bytearray(HEADER.size), bytearray(1)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return self._refuse(key, path, "not a regular file")
+            if st.st_size != HEADER.size + out.nbytes:
+                return self._refuse(key, path, f"{st.st_size} bytes, not {HEADER.size + out.nbytes}")
+            n = os.readv(fd, [head, out, extra])  # one call; `extra` catches a file that grew
+        except OSError as e:
+            logger.warning("KV offload: reading %s failed: %s", path, e)
+            return "missing"
+        finally:
+            os.close(fd)
+        fields = self._fields(key, out.nbytes)
+        if (
+            n == HEADER.size + out.nbytes
+            and head[: FIELDS.size] == fields
+            and mac_ok(self._keys.disk, bytes(head[FIELDS.size :]), fields, out)
+        ):
             return "ok"
-        logger.warning("KV offload: dropped corrupt entry %s", path.name)
+        return self._refuse(key, path, "failed its header or MAC check")
+
+    def _refuse(self, key: Key, path: Path, why: str) -> str:
+        logger.warning("KV offload: dropped disk entry %s (%s)", path.name, why)
         with self._lock:
             self.corrupt += 1
             if key in self._sizes:

@@ -28,6 +28,7 @@ def ktc(**extra) -> dict:
         (dict(kv_transfer_config=ktc(cpu_bytes="1GiB", eviction="fifo")), "eviction must be one of lru, arc"),
         (dict(kv_transfer_config=ktc(cpu_bytes="1GiB", disk_path="/tmp/x")), "needs both disk_path and disk_bytes"),
         (dict(kv_transfer_config=ktc(cpu_bytes="1GiB", disk_path=3, disk_bytes="1GiB")), "disk_path: write a dir"),
+        (dict(kv_transfer_config=ktc(cpu_bytes="1GiB", secret_file="")), "secret_file: write a file path"),
         (dict(kv_offload_disk="/tmp/x:1GiB"), "needs kv_offload_cpu"),
         (dict(kv_offload_cpu="1GiB", kv_offload_disk="/tmp/x"), "takes DIR:SIZE"),
         (dict(kv_offload_cpu="1GiB", kv_offload_disk="/tmp/x:big"), "cannot read 'big' as a size"),
