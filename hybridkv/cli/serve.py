@@ -17,6 +17,9 @@ def serve(
     api_key: Annotated[
         str | None, typer.Option(help="require 'Authorization: Bearer KEY' on every route but /health")
     ] = None,
+    enable_admin: Annotated[
+        bool, typer.Option(help="serve GET /admin/kv (block usage, connector state, integrity check)")
+    ] = False,
     dtype: Annotated[str, typer.Option()] = "float32",
     kv_layout: Annotated[str, typer.Option(help=" | ".join(KV_LAYOUTS))] = "auto",
     kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget, e.g. 1GiB")] = "1GiB",
@@ -73,7 +76,7 @@ def serve(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, served_model_name or Path(folder).name, api_key)
+    app = build_app(async_engine, served_model_name or Path(folder).name, api_key, enable_admin)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:

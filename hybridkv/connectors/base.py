@@ -86,10 +86,27 @@ class EngineIdentity:
     dtype: str
 
 
+class TransferRefused(Exception):
+    """kv_transfer_params that parsed but did not verify, under kv_load_failure_policy "fail" (an HTTP 403)."""
+
+
 class KVConnector:
     """Runs on the engine thread. It may own I/O threads, but touches scheduler state only through return values."""
 
     load_failure_policy = "recompute"  # or "fail": what the scheduler does with a request whose load failed
+
+    def accept_transfer_params(self, raw: Any) -> Any:
+        """Client-supplied kv_transfer_params (hostile) -> the typed value `Request.kv_transfer_params` carries, or
+        None for nothing to do. Called on the HTTP side before the request is queued, so it must be thread-safe
+        and touch no engine state. Raises ValueError naming a malformed field (a 400), or TransferRefused."""
+        if raw:
+            raise ValueError("kv_transfer_params: this server's KV connector takes none")
+        return None
+
+    def cancel_transfer(self, raw: Any) -> bool:
+        """The client will not use these kv_transfer_params (this instance handed them out): free what they hold.
+        Thread-safe. True when something was released."""
+        return False
 
     def register(self, plan: KVPlan, memory: KVCacheMemory) -> None:
         """Called once with the engine's plan and KV memory, before any request."""
@@ -136,6 +153,10 @@ class KVConnector:
 
     def set_waker(self, wake: Callable[[], None]) -> None:
         """`wake()` is called from the connector's own threads when `poll()` has something new."""
+
+    def dead_threads(self) -> list[str]:
+        """Names of the connector's background threads that have died (the server reports itself unhealthy)."""
+        return []
 
     def metrics(self) -> dict[str, float]:
         """Counters and gauges for /metrics (names without the hybridkv_ prefix)."""

@@ -1,19 +1,24 @@
 """NixlConnector: prefill/decode disaggregation. The decode instance READs the prompt's KV from the prefill instance.
 
 Producer (prefill) side: a request sent with kv_transfer_params {"do_remote_decode": true} keeps its blocks under a
-lease when it finishes, and its response carries what a reader needs (engine id, side channel, block ids per group,
-prompt length and hash). Consumer (decode) side, in `NixlReader`: a request carrying those params handshakes with
-the peer once (compatibility hash, NIXL metadata, where each owner layer lives), reads the blocks its table needs (only
-in-window blocks of sliding groups, nothing its local prefix cache already has), then releases the lease. Only if
-the lease was still held at release is the read trusted; otherwise, or on any failure, the request recomputes
-(kv_load_failure_policy=recompute, the default) or fails with the reason (fail).
+lease when it finishes, and its response carries a signed `RemotePrefill` (engine id, side channel, block ids per
+group, prompt length and hash, lease id, expiry). Consumer (decode) side, in `NixlReader`: a request carrying
+params that parse and verify handshakes with the peer once (compatibility hash, NIXL metadata, where each owner
+layer lives), reads the blocks its table needs (only in-window blocks of sliding groups, nothing its local prefix
+cache already has), then releases the lease. Only if the lease was still held at release is the read trusted;
+otherwise, or on any failure, the request recomputes (kv_load_failure_policy=recompute, the default) or fails with
+the reason (fail).
+
+Trust: every side-channel message is MAC'd with the mesh secret and params are signed with it
+(`mesh_auth.py`); without a secret the side channel must listen on loopback, and one warning says what that
+exposes.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
+import time
 from typing import Any
 
 from hybridkv.connectors.base import (
@@ -21,15 +26,35 @@ from hybridkv.connectors.base import (
     EngineIdentity,
     KVConnector,
     KVTransferConfig,
+    TransferRefused,
     finished_ok,
     register_connector,
 )
 from hybridkv.connectors.descriptors import Placement, compat_hash
 from hybridkv.connectors.leases import LeaseTable
-from hybridkv.connectors.nixl_reader import NixlReader, prompt_hash
+from hybridkv.connectors.mesh_auth import MeshKeys, load_secret
+from hybridkv.connectors.nixl_reader import NixlReader
 from hybridkv.connectors.nixl_transport import NixlTransport
+from hybridkv.connectors.pd_messages import (
+    HandshakeReply,
+    HandshakeRequest,
+    LeaseReply,
+    LeaseRequest,
+    Op,
+    Refusal,
+    parse_request,
+)
 from hybridkv.connectors.peer_io import PeerIO
 from hybridkv.connectors.side_channel import SideChannelServer
+from hybridkv.connectors.transfer_params import (
+    ParamLimits,
+    RemoteDecode,
+    RemotePrefill,
+    TransferParams,
+    is_loopback,
+    parse_transfer_params,
+    prompt_hash,
+)
 from hybridkv.engine.request import Request
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
@@ -44,10 +69,12 @@ OPTIONS = {
     "kv_transfer_timeout_s",
     "enable_cross_layers_blocks",
     "backends",
+    "secret_file",
 }
 POLICIES = ("recompute", "fail")
 PROGRESS_EVERY_S = 0.0005  # how often a prefill instance drives UCX while it holds leases (a peer may read)
 POLL_READS_EVERY_S = 0.00005  # how often a reader polls its reads in flight (they last ~0.1-10 ms)
+INCOMPATIBLE = "incompatible KV: the model, dtype, block size or KV groups differ"
 
 
 @register_connector("NixlConnector")
@@ -68,74 +95,106 @@ class NixlConnector(KVConnector):
             raise ValueError(f"kv_connector_extra_config.kv_load_failure_policy must be one of {POLICIES}")
         if self.lease_s <= 0 or self.timeout_s <= 0:
             raise ValueError("kv_connector_extra_config.kv_lease_s and kv_transfer_timeout_s must be positive")
-        self.leases = LeaseTable(self.lease_s)
+        self.keys = MeshKeys.derive(load_secret(config.option("secret_file", None, str)))
+        if not self.keys.authenticated and not is_loopback(self.host):
+            raise ValueError(
+                f"the KV side channel would listen on {self.host} without a mesh secret: any host that reaches it "
+                "could read and overwrite this instance's KV cache. Set HYBRIDKV_KV_SECRET (or "
+                "kv_connector_extra_config.secret_file) on every instance, or bind side_channel_host to 127.0.0.1"
+            )
+        self.leases = LeaseTable(self.lease_s, max_hold_s=2 * self.lease_s + self.timeout_s)
+        self.params_refused = 0
         self._event = threading.Event()
         self._wake = self._event.set
 
     def register(self, plan: KVPlan, memory: KVCacheMemory) -> None:
         self.plan = plan
+        self.limits = ParamLimits(len(plan.groups), -(-plan.max_model_len // plan.block_size) + 1, plan.max_model_len)
         self.compat = compat_hash(plan, self.identity.model_fingerprint, self.identity.dtype)
-        self.transport = NixlTransport(f"hybridkv-{self.identity.engine_id}", self.backends)
+        self.transport = NixlTransport(f"hybridkv-{self.identity.engine_id}", self.backends, self.host)
         self.transport.register(memory.buffers)
         self.placement = Placement.of(plan, [b.data_ptr() for b in memory.buffers])
-        self.server = SideChannelServer(self.host, self.port, self._handle)
+        self.server = SideChannelServer(self.host, self.port, self._handle, self.keys)
         self.port = self.server.port
-        io = PeerIO(lambda: self._wake(), self.lease_s / 3)  # through the attribute: set_waker replaces it
-        handshake = {"op": "handshake", "compat": self.compat, "engine_id": self.identity.engine_id}
+        io = PeerIO(lambda: self._wake(), self.keys, self.lease_s / 3)  # through the attribute: set_waker replaces it
+        handshake = HandshakeRequest(self.compat, self.identity.engine_id)
         self.reader = NixlReader(plan, self.transport, self.placement, handshake, io, self.timeout_s)
-        logger.info(
-            "NixlConnector %s: side channel %s:%d, layout %s",
-            self.identity.engine_id,
-            self.host,
-            self.port,
-            plan.layout,
-        )
+        secret = "mesh secret set" if self.keys.authenticated else "no mesh secret"
+        logger.info("NixlConnector %s: side channel %s:%d, layout %s, %s", self.identity.engine_id, self.host,
+                    self.port, plan.layout, secret)  # fmt: skip
+        if not self.keys.authenticated:
+            logger.warning(
+                "KV side channel %s:%d has no mesh secret: any process on this host can fetch this instance's NIXL "
+                "metadata and then read or overwrite its KV cache, and forge kv_transfer_params for its decoder. "
+                "Set HYBRIDKV_KV_SECRET (or kv_connector_extra_config.secret_file) on every instance.",
+                self.host,
+                self.port,
+            )
+
+    # ---- what arrives over HTTP ----------------------------------------------------------------------------
+    def accept_transfer_params(self, raw: Any) -> TransferParams | None:
+        params = parse_transfer_params(raw, self.limits)
+        if not isinstance(params, RemotePrefill):
+            return params
+        problem = None
+        if not params.signature_ok(self.keys.params):
+            problem = "kv_transfer_params: the signature does not verify (altered or forged, or another mesh secret)"
+        elif params.expired():
+            problem = "kv_transfer_params: expired (the prefill instance's lease has ended)"
+        elif not self.keys.authenticated and not is_loopback(params.host):
+            problem = "kv_transfer_params: without a mesh secret this decoder reads only from instances on this host"
+        if problem is None:
+            return params
+        self.params_refused += 1
+        logger.warning("refused kv_transfer_params for engine %s: %s", params.engine_id, problem)
+        if self.load_failure_policy == "fail":
+            raise TransferRefused(problem)
+        return None  # recompute
+
+    def cancel_transfer(self, raw: Any) -> bool:
+        params = parse_transfer_params(raw, self.limits)
+        if not isinstance(params, RemotePrefill) or params.engine_id != self.identity.engine_id:
+            return False
+        released = self.leases.release(params.lease_id, params.signature)
+        self._wake()
+        return released
 
     # ---- producer side -------------------------------------------------------------------------------------
     def request_finished(self, req: Request, block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
-        params = req.kv_transfer_params or {}
-        if not params.get("do_remote_decode") or not finished_ok(req):
+        if not isinstance(req.kv_transfer_params, RemoteDecode) or not finished_ok(req):
             return False, None
-        self.leases.grant(req.request_id)
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.identity.engine_id,
-            "remote_request_id": req.request_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "remote_block_ids": block_ids,
-            "remote_num_tokens": req.num_prompt_tokens,
-            "prompt_hash": prompt_hash(req.prompt_token_ids),
-            "lease_s": self.lease_s,
-        }
+        lease_id = self.leases.new_id()
+        params = RemotePrefill(
+            engine_id=self.identity.engine_id,
+            host=self.host,
+            port=self.port,
+            request_id=req.request_id,
+            lease_id=lease_id,
+            block_ids=tuple(tuple(g) for g in block_ids),
+            num_tokens=req.num_prompt_tokens,
+            prompt_hash=prompt_hash(req.prompt_token_ids),
+            expires_at=int(time.time() + self.lease_s) + 1,
+        ).signed(self.keys.params)
+        self.leases.grant(lease_id, req.request_id, params.signature)
+        return True, params.to_json()
 
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Side-channel requests from readers (on the listener thread)."""
-        op = msg.get("op")
-        if op == "handshake":
-            if msg.get("compat") != self.compat:
-                reason = (
-                    f"incompatible KV: peer {msg.get('engine_id')} has compat hash {msg.get('compat')}, "
-                    f"this instance {self.compat} (model, dtype, block size or KV groups differ)"
-                )
-                logger.warning("refused a handshake: %s", reason)
-                return {"ok": False, "error": reason}
-            return {
-                "ok": True,
-                "engine_id": self.identity.engine_id,
-                "compat": self.compat,
-                "agent_metadata": base64.b64encode(self.transport.metadata()).decode(),
-                "placement": self.placement.to_json(),
-                "layout": self.plan.layout,
-            }
-        if op in ("renew", "release"):
-            rid = str(msg.get("request_id"))
-            ok = self.leases.renew(rid) if op == "renew" else self.leases.release(rid)
-            if op == "release":
-                self._wake()
-            return {"ok": ok}
-        return {"ok": False, "error": f"unknown op {op!r}"}
+        """An authenticated side-channel request (on its connection's thread)."""
+        req = parse_request(msg)
+        if isinstance(req, HandshakeRequest):
+            if req.compat != self.compat:
+                logger.warning("refused a handshake: %s (peer %s has compat hash %s, this instance %s)",
+                               INCOMPATIBLE, req.engine_id, req.compat, self.compat)  # fmt: skip
+                return Refusal(INCOMPATIBLE).to_json()
+            metadata = self.transport.metadata()
+            return HandshakeReply(self.identity.engine_id, metadata, self.placement, self.plan.num_blocks,
+                                  self.plan.layout).to_json()  # fmt: skip
+        assert isinstance(req, LeaseRequest)
+        if req.op is Op.RENEW:
+            return LeaseReply(self.leases.renew(req.lease_id, req.signature)).to_json()
+        held = self.leases.release(req.lease_id, req.signature)
+        self._wake()
+        return LeaseReply(held).to_json()
 
     # ---- consumer side: NixlReader -------------------------------------------------------------------------
     def num_external_tokens(self, req: Request, num_local_tokens: int) -> int:
@@ -177,11 +236,17 @@ class NixlConnector(KVConnector):
         deadline = self.leases.next_deadline()
         return None if deadline is None else min(deadline, PROGRESS_EVERY_S)
 
+    def dead_threads(self) -> list[str]:
+        return [] if self.server.alive else ["KV side channel"]
+
     def metrics(self) -> dict[str, float]:
         return self.reader.stats | {
             "kv_leases_held": float(len(self.leases)),
             "kv_leases_expired_total": float(self.leases.expired_total),
             "kv_loads_in_flight": float(len(self.reader.loads)),
+            "kv_transfer_params_refused_total": float(self.params_refused),
+            "kv_side_channel_refused_total": float(self.server.refused_total),
+            "kv_side_channel_busy_total": float(self.server.busy_total),
         }
 
     def shutdown(self) -> None:

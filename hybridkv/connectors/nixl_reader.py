@@ -1,46 +1,66 @@
-"""NixlReader: the decode side of NixlConnector. For each request that carries a prefill instance's
-kv_transfer_params it handshakes once per peer, READs the blocks its own table needs, then releases the lease.
+"""NixlReader: the decode side of NixlConnector. For each request that carries a prefill instance's verified
+`RemotePrefill` it handshakes once per peer, READs the blocks its own table needs, then releases the lease.
 
 Load states: handshake -> confirming -> ready -> reading -> releasing, or failed. A read starts only after the peer
 confirms the lease is held (an expired one fails fast and the request recomputes, instead of a read that waits for
 its timeout); a load is reported `loaded` only once the peer confirms the lease was still held at release, and
-blocks a read may still write are never handed back early.
+blocks a read may still write are never handed back early. A peer is known by the engine id it proved at its
+handshake, at the address it answered on: params that place a known engine elsewhere, or name blocks outside its
+pool, fail without contacting anyone.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from hybridkv.connectors.base import ConnectorEvents
 from hybridkv.connectors.descriptors import Placement, block_moves, pair_descriptors
 from hybridkv.connectors.nixl_transport import NixlTransport
-from hybridkv.connectors.peer_io import PeerIO
+from hybridkv.connectors.pd_messages import HandshakeRequest
+from hybridkv.connectors.peer_io import PeerIO, PeerResult, ResultKind, Target
+from hybridkv.connectors.transfer_params import RemotePrefill, prompt_hash
 from hybridkv.engine.request import Request
 from hybridkv.kv.plan import KVPlan
 
 logger = logging.getLogger(__name__)
 
 
-def prompt_hash(token_ids: list[int]) -> str:
-    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
+class LoadState(Enum):
+    HANDSHAKE = "handshake"
+    CONFIRMING = "confirming"
+    READY = "ready"
+    READING = "reading"
+    RELEASING = "releasing"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Peer:
+    host: str
+    port: int
+    agent: str  # NIXL's name for the remote agent
+    placement: Placement
+    num_blocks: int
 
 
 @dataclass
 class _Load:
     request_id: str
-    engine_id: str
-    remote_request_id: str
+    params: RemotePrefill
     moves: list[tuple[int, int, int]] = field(default_factory=list)  # (group, local block, remote block)
-    state: str = "handshake"
+    state: LoadState = LoadState.HANDSHAKE
     handle: Any = None  # the NIXL transfer while reading
     started: float = 0.0
     aborted: bool = False
     error: str | None = None
+
+
+def lease_target(params: RemotePrefill) -> Target:
+    return Target(params.host, params.port, params.lease_id, params.signature)
 
 
 class NixlReader:
@@ -49,7 +69,7 @@ class NixlReader:
         plan: KVPlan,
         transport: NixlTransport,
         placement: Placement,
-        handshake: dict[str, Any],
+        handshake: HandshakeRequest,
         io: PeerIO,
         timeout_s: float,
     ) -> None:
@@ -57,7 +77,8 @@ class NixlReader:
         self.handshake = handshake  # what we send a peer: our compat hash and engine id
         self.timeout_s = timeout_s
         self.loads: dict[str, _Load] = {}
-        self.peers: dict[str, tuple[str, Placement]] = {}  # engine id -> (NIXL agent name, placement)
+        self.peers: dict[str, Peer] = {}  # engine id -> what its handshake proved
+        self._asked: dict[str, tuple[str, int]] = {}  # engine id -> the address its handshake went to
         self.stats = {
             "kv_transfer_reads": 0.0,
             "kv_transfer_bytes": 0.0,
@@ -69,124 +90,143 @@ class NixlReader:
 
     @property
     def reading(self) -> bool:
-        return any(load.state == "reading" for load in self.loads.values())
+        return any(load.state is LoadState.READING for load in self.loads.values())
 
     def num_external_tokens(self, req: Request, num_local_tokens: int) -> int:
-        params = req.kv_transfer_params or {}
-        if not params.get("do_remote_prefill"):
+        params = req.kv_transfer_params
+        if not isinstance(params, RemotePrefill):
             return 0
-        try:
-            same = params["prompt_hash"] == prompt_hash(req.prompt_token_ids)
-            same = same and int(params["remote_num_tokens"]) == req.num_prompt_tokens
-            host, port, remote_id = str(params["remote_host"]), int(params["remote_port"]), params["remote_request_id"]
-        except (KeyError, TypeError, ValueError) as e:
-            logger.warning("request %s: malformed kv_transfer_params (%s): computing the prompt", req.request_id, e)
-            req.kv_transfer_params = None
-            return 0
+        same = params.prompt_hash == prompt_hash(req.prompt_token_ids) and params.num_tokens == req.num_prompt_tokens
         need = max(0, req.num_prompt_tokens - 1 - num_local_tokens)
         if not same or need == 0:
             if not same:
                 logger.warning("request %s: prompt differs from the prefill's: computing it", req.request_id)
-            self.io.release(host, port, str(remote_id))  # nothing to read: the peer may free now
+            self.io.release(lease_target(params))  # nothing to read: the peer may free now
             req.kv_transfer_params = None
             return 0
         return need
 
     def start_load(self, req: Request, block_ids: list[list[int]], num_local_tokens: int) -> None:
-        params = req.kv_transfer_params or {}
-        engine_id, host, port = str(params["remote_engine_id"]), str(params["remote_host"]), int(params["remote_port"])
-        load = _Load(req.request_id, engine_id, str(params["remote_request_id"]), started=time.monotonic())
+        params: RemotePrefill = req.kv_transfer_params
+        load = _Load(req.request_id, params, started=time.monotonic())
         self.loads[req.request_id] = load
-        self.io.track(req.request_id, host, port, load.remote_request_id)
+        peer = self.peers.get(params.engine_id)
+        if peer is not None and (params.host, params.port) != (peer.host, peer.port):
+            self._fail(load, f"kv_transfer_params place engine {params.engine_id} at {params.host}:{params.port}, "
+                             f"but it answered its handshake at {peer.host}:{peer.port}")  # fmt: skip
+            return  # not tracked: nobody is contacted
+        self.io.track(req.request_id, lease_target(params))
         try:
             end = num_local_tokens + req.num_external_tokens
-            load.moves = block_moves(block_ids, params["remote_block_ids"], num_local_tokens, end, self.plan.block_size)
-        except (ValueError, TypeError, KeyError) as e:
+            remote = [list(g) for g in params.block_ids]
+            load.moves = block_moves(block_ids, remote, num_local_tokens, end, self.plan.block_size)
+        except ValueError as e:
             self._fail(load, f"bad remote_block_ids: {e}")
             return
-        if engine_id in self.peers:
-            self._confirm(load)
-        else:
-            self.io.handshake(engine_id, host, port, self.handshake)
+        if peer is not None:
+            self._confirm(load, peer)
+        elif params.engine_id not in self._asked:
+            self._asked[params.engine_id] = (params.host, params.port)
+            self.io.handshake(params.engine_id, params.host, params.port, self.handshake)
 
-    def _confirm(self, load: _Load) -> None:
-        load.state = "confirming"
+    def _confirm(self, load: _Load, peer: Peer) -> None:
+        """Check the load against what the peer proved, then ask it to confirm the lease."""
+        if (load.params.host, load.params.port) != (peer.host, peer.port):  # waited for another's handshake
+            where = f"{load.params.host}:{load.params.port}"
+            self._fail(load, f"engine {load.params.engine_id} answered at {peer.host}:{peer.port}, not {where}")
+            return
+        if any(remote >= peer.num_blocks for _, _, remote in load.moves):
+            self._fail(load, f"remote_block_ids name blocks outside the peer's pool of {peer.num_blocks}")
+            return
+        load.state = LoadState.CONFIRMING
         self.io.confirm(load.request_id)
 
     def abort(self, request_id: str) -> bool:
         load = self.loads.get(request_id)
         if load is None:
             return True
-        if load.state == "reading":
+        if load.state is LoadState.READING:
             load.aborted = True  # the read may still land in these blocks: free them when it is over
             return False
         self.loads.pop(request_id)
-        if load.state != "releasing":
+        if load.state is not LoadState.RELEASING:
             self.io.release_tracked(request_id, False)
         return True
 
     def poll(self, events: ConnectorEvents) -> None:
-        for kind, key, value in self.io.results():
-            if kind == "handshake":
-                self._on_handshake(key, value)
-            elif kind == "lease" and key in self.loads and self.loads[key].state == "confirming":
-                if value is True:
-                    self.loads[key].state = "ready"
-                else:
-                    lost = "the prefill instance's lease had ended before the read" if value is False else str(value)
-                    self._fail(self.loads[key], lost)
-            elif kind == "release" and key in self.loads:
-                del self.loads[key]
-                events.loaded[key] = value is True
-                if value is not True:
-                    lost = "the prefill instance's lease ended before the read finished"
-                    events.errors[key] = lost if value is False else str(value)
-                    self.stats["kv_transfer_failures"] += 1
-                    logger.warning("request %s: KV load discarded: %s", key, events.errors[key])
+        for result in self.io.results():
+            self._on_result(result, events)
         for load in list(self.loads.values()):
-            if load.state == "ready":
+            if load.state is LoadState.READY:
                 self._start_read(load)
-            elif load.state == "reading":
+            elif load.state is LoadState.READING:
                 self._check_read(load, events)
-            if load.state == "failed":
+            if load.state is LoadState.FAILED:
                 del self.loads[load.request_id]
                 events.loaded[load.request_id] = False
                 events.errors[load.request_id] = load.error or "KV load failed"
 
-    def _on_handshake(self, engine_id: str, reply: Any) -> None:
-        error = None
-        if isinstance(reply, dict) and reply.get("ok"):
-            try:
-                agent = self.transport.add_peer(base64.b64decode(reply["agent_metadata"]))
-                self.peers[engine_id] = (agent, Placement.from_json(reply["placement"]))
-                logger.info("handshake with %s done (its layout %s, ours %s)", engine_id, reply.get("layout"),
-                            self.plan.layout)  # fmt: skip
-            except Exception as e:
-                error = f"NIXL could not add peer {engine_id}: {e}"
-        else:
-            error = reply.get("error") if isinstance(reply, dict) else str(reply)
+    def _on_result(self, result: PeerResult, events: ConnectorEvents) -> None:
+        if result.kind is ResultKind.HANDSHAKE:
+            self._on_handshake(result)
+            return
+        load = self.loads.get(result.key)
+        if load is None:
+            return
+        if result.kind is ResultKind.LEASE and load.state is LoadState.CONFIRMING:
+            if result.ok:
+                load.state = LoadState.READY
+            else:
+                self._fail(load, result.error or "the prefill instance's lease had ended before the read")
+        elif result.kind is ResultKind.RELEASE:
+            del self.loads[result.key]
+            events.loaded[result.key] = result.ok
+            if not result.ok:
+                lost = "the prefill instance's lease ended before the read finished"
+                events.errors[result.key] = result.error or lost
+                self.stats["kv_transfer_failures"] += 1
+                logger.warning("request %s: KV load discarded: %s", result.key, events.errors[result.key])
+
+    def _on_handshake(self, result: PeerResult) -> None:
+        engine_id = result.key
+        host, port = self._asked.pop(engine_id, ("?", 0))
+        error, reply = result.error, result.handshake
+        if result.ok and reply is not None:
+            if reply.engine_id != engine_id:
+                error = f"the instance at {host}:{port} is engine {reply.engine_id}, not {engine_id}"
+            elif set(reply.placement.layers) != set(self.placement.layers):
+                error = "its KV placement names other layers than ours"
+            else:
+                try:
+                    agent = self.transport.add_peer(reply.agent_metadata)
+                    self.peers[engine_id] = Peer(host, port, agent, reply.placement, reply.num_blocks)
+                    logger.info("handshake with %s at %s:%d done (its layout %s, ours %s)", engine_id, host, port,
+                                reply.layout, self.plan.layout)  # fmt: skip
+                except Exception as e:
+                    error = f"NIXL could not add peer {engine_id}: {e}"
+        if error is not None:
             logger.warning("handshake with %s failed: %s", engine_id, error)
-        for load in self.loads.values():
-            if load.engine_id == engine_id and load.state == "handshake":
-                if error is None:
-                    self._confirm(load)
+        for load in list(self.loads.values()):
+            if load.params.engine_id == engine_id and load.state is LoadState.HANDSHAKE:
+                if engine_id in self.peers:
+                    self._confirm(load, self.peers[engine_id])
                 else:
                     self._fail(load, f"handshake with the prefill instance failed: {error}")
 
     def _start_read(self, load: _Load) -> None:
-        agent, remote = self.peers[load.engine_id]
+        peer = self.peers[load.params.engine_id]
         device = self.transport.device_id
-        descs = pair_descriptors(self.plan, self.placement, remote, load.moves, device, device)
+        descs = pair_descriptors(self.plan, self.placement, peer.placement, load.moves, device, device)
         if descs.count == 0:
-            load.state = "releasing"
+            load.state = LoadState.RELEASING
             self.io.release_tracked(load.request_id, True)
             return
         try:
-            load.handle = self.transport.read(descs, agent)
+            load.handle = self.transport.read(descs, peer.agent)
         except Exception as e:
             self._fail(load, f"NIXL read failed to start: {e}")
             return
-        load.state, load.started = "reading", time.monotonic()
+        load.state, load.started = LoadState.READING, time.monotonic()
         self.stats["kv_transfer_reads"] += 1
         self.stats["kv_transfer_bytes"] += descs.nbytes
         self.stats["kv_transfer_descriptors"] += descs.count
@@ -206,7 +246,7 @@ class NixlReader:
             events.released.append(load.request_id)
             self.io.release_tracked(load.request_id, False)
         elif state == "DONE":
-            load.state = "releasing"
+            load.state = LoadState.RELEASING
             self.io.release_tracked(load.request_id, True)
         else:
             self._fail(load, "the read from the prefill instance failed" if state == "ERR" else "the read timed out")
@@ -214,5 +254,5 @@ class NixlReader:
     def _fail(self, load: _Load, reason: str) -> None:
         self.stats["kv_transfer_failures"] += 1
         logger.warning("request %s: KV load failed: %s", load.request_id, reason)
-        load.state, load.error = "failed", reason
+        load.state, load.error = LoadState.FAILED, reason
         self.io.release_tracked(load.request_id, False)

@@ -1,6 +1,9 @@
-"""PeerIO: the decode side's side-channel traffic (handshakes, lease renewals, releases) on one background thread,
-so a slow or dead peer never blocks the engine loop. Results come back through `results()`; `notify` wakes the
-engine when there are some.
+"""PeerIO: the decode side's side-channel traffic (handshakes, lease renewals, releases), off the engine loop.
+
+Each peer address gets its own worker thread, so a slow, silent or hostile peer delays only the requests that
+named it. A worker runs its peer's jobs in order, renews the leases tracked at that peer while it is idle, and
+ends once it has had nothing to do for a while. Results come back through `results()`; `notify` wakes the engine
+when there are some. A job that fails in any way posts its failure: no exception ends a worker.
 """
 
 from __future__ import annotations
@@ -9,116 +12,192 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from enum import Enum
 
+from hybridkv.connectors.mesh_auth import MeshKeys
+from hybridkv.connectors.pd_messages import (
+    HandshakeReply,
+    HandshakeRequest,
+    LeaseReply,
+    LeaseRequest,
+    Op,
+    parse_handshake_reply,
+    parse_lease_reply,
+)
 from hybridkv.connectors.side_channel import request
 
 logger = logging.getLogger(__name__)
 
+MAX_PEERS = 64  # workers at once: jobs for further peer addresses fail at once
+IDLE_EXIT_S = 30.0  # a worker with no job and no tracked lease for this long ends
+
+
+class ResultKind(Enum):
+    HANDSHAKE = "handshake"  # key: engine id
+    LEASE = "lease"  # key: request id; ok = the lease is held (a confirm before reading)
+    RELEASE = "release"  # key: request id; ok = the lease was still held at release: the read may be trusted
+
+
+@dataclass(frozen=True)
+class PeerResult:
+    kind: ResultKind
+    key: str
+    ok: bool
+    error: str | None = None  # why the peer could not be asked; None with ok=False: the lease had ended
+    handshake: HandshakeReply | None = None
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a tracked request's lease lives and how to name it."""
+
+    host: str
+    port: int
+    lease_id: str
+    signature: str
+
+
+Job = tuple[Callable[[], PeerResult | None], ResultKind, str]  # (run, kind and key to post its failure under)
+
 
 class PeerIO:
-    def __init__(self, notify: Callable[[], None], renew_every_s: float, timeout_s: float = 5.0) -> None:
-        self.notify = notify
+    def __init__(
+        self, notify: Callable[[], None], keys: MeshKeys, renew_every_s: float, timeout_s: float = 5.0
+    ) -> None:
+        self.notify, self.keys = notify, keys
         self.renew_every_s = renew_every_s
         self.timeout_s = timeout_s
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._results: list[tuple[str, str, Any]] = []
-        self._tracked: dict[str, tuple[str, int, str]] = {}  # request -> (host, port, remote request id)
+        self._results: list[PeerResult] = []
+        self._tracked: dict[str, Target] = {}  # request -> its lease at the peer
         self._handshaking: set[str] = set()
+        self._workers: dict[tuple[str, int], queue.SimpleQueue[Job | None]] = {}
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="hybridkv-peer-io", daemon=True)
-        self._thread.start()
+        self._stopped = False
 
-    def track(self, request_id: str, host: str, port: int, remote_request_id: str) -> None:
+    def track(self, request_id: str, target: Target) -> None:
         """Renew this request's lease at the peer until it is released."""
         with self._lock:
-            self._tracked[request_id] = (host, port, remote_request_id)
+            self._tracked[request_id] = target
 
-    def handshake(self, engine_id: str, host: str, port: int, message: dict[str, Any]) -> None:
-        """Posts ("handshake", engine_id, reply dict or error string). One in flight per engine."""
+    def handshake(self, engine_id: str, host: str, port: int, message: HandshakeRequest) -> None:
+        """Posts a HANDSHAKE result for `engine_id`. One in flight per engine."""
         with self._lock:
             if engine_id in self._handshaking:
                 return
             self._handshaking.add(engine_id)
 
-        def job() -> None:
+        def run() -> PeerResult:
             try:
-                reply: Any = request(host, port, message, self.timeout_s)
-            except ConnectionError as e:
-                reply = str(e)
-            with self._lock:
-                self._handshaking.discard(engine_id)
-            self._post("handshake", engine_id, reply)
+                reply = parse_handshake_reply(request(host, port, message.to_json(), self.keys, self.timeout_s))
+            finally:
+                with self._lock:
+                    self._handshaking.discard(engine_id)
+            if isinstance(reply, HandshakeReply):
+                return PeerResult(ResultKind.HANDSHAKE, engine_id, True, handshake=reply)
+            return PeerResult(ResultKind.HANDSHAKE, engine_id, False, reply.error)
 
-        self._jobs.put(job)
+        self._submit(host, port, (run, ResultKind.HANDSHAKE, engine_id))
 
     def confirm(self, request_id: str) -> None:
-        """Renew a tracked request's lease now; posts ("lease", request_id, True if it is held, False if it had
-        ended, or an error string). A read may start only once the lease is known to be held: a peer that has
-        let the blocks go no longer drives its side of the transfer."""
+        """Renew a tracked request's lease now; posts a LEASE result. A read may start only once the lease is
+        known to be held: a peer that has let the blocks go no longer drives its side of the transfer."""
         with self._lock:
             target = self._tracked.get(request_id)
-        self._ask(target, "renew", "lease", request_id, report=True)
+        self._ask(target, Op.RENEW, ResultKind.LEASE, request_id, report=True)
 
     def release_tracked(self, request_id: str, report: bool) -> None:
-        """Release a tracked request's lease; with `report`, post ("release", request_id, True if the lease was
-        still held, False if it had ended, or an error string)."""
+        """Release a tracked request's lease; with `report`, post a RELEASE result."""
         with self._lock:
             target = self._tracked.pop(request_id, None)
-        self._ask(target, "release", "release", request_id, report)
+        self._ask(target, Op.RELEASE, ResultKind.RELEASE, request_id, report)
 
-    def _ask(self, target: tuple[str, int, str] | None, op: str, kind: str, request_id: str, report: bool) -> None:
-        """Send `op` for a tracked lease on the I/O thread; with `report`, post (kind, request_id, the peer's ok
-        or an error string)."""
+    def release(self, target: Target) -> None:
+        """Fire and forget: the peer may free a lease we will not read."""
+        self._ask(target, Op.RELEASE, ResultKind.RELEASE, "", report=False)
+
+    def _ask(self, target: Target | None, op: Op, kind: ResultKind, request_id: str, report: bool) -> None:
         if target is None:
             if report:
-                self._post(kind, request_id, "the request was not tracked")
+                self._post(PeerResult(kind, request_id, False, "the request was not tracked"))
             return
-        host, port, remote_id = target
 
-        def job() -> None:
-            try:
-                value: Any = bool(request(host, port, {"op": op, "request_id": remote_id}, self.timeout_s)["ok"])
-            except (ConnectionError, KeyError) as e:
-                value = f"could not {op} the lease at the prefill instance: {e}"
-            if report:
-                self._post(kind, request_id, value)
+        def run() -> PeerResult | None:
+            held = self._lease_op(target, op)
+            return PeerResult(kind, request_id, held) if report else None
 
-        self._jobs.put(job)
+        self._submit(target.host, target.port, (run, kind, request_id if report else ""))
 
-    def release(self, host: str, port: int, remote_request_id: str, _: Any = None) -> None:
-        """Fire and forget: the peer may free a lease we will not read."""
-        self._jobs.put(lambda: self._quiet(host, port, {"op": "release", "request_id": remote_request_id}))
+    def _lease_op(self, target: Target, op: Op) -> bool:
+        message = LeaseRequest(op, target.lease_id, target.signature).to_json()
+        reply = parse_lease_reply(request(target.host, target.port, message, self.keys, self.timeout_s))
+        if not isinstance(reply, LeaseReply):
+            raise ConnectionError(f"the prefill instance refused: {reply.error}")
+        return reply.held
 
-    def results(self) -> list[tuple[str, str, Any]]:
+    def results(self) -> list[PeerResult]:
         with self._lock:
             out, self._results = self._results, []
         return out
 
     def stop(self) -> None:
-        self._jobs.put(None)
-
-    def _post(self, kind: str, key: str, value: Any) -> None:
         with self._lock:
-            self._results.append((kind, key, value))
+            self._stopped = True
+            workers, self._workers = list(self._workers.values()), {}
+        for jobs in workers:
+            jobs.put(None)
+
+    def _post(self, result: PeerResult) -> None:
+        with self._lock:
+            self._results.append(result)
         self.notify()
 
-    def _quiet(self, host: str, port: int, message: dict[str, Any]) -> None:
-        try:
-            request(host, port, message, self.timeout_s)
-        except ConnectionError as e:
-            logger.info("side channel: %s", e)
+    def _submit(self, host: str, port: int, job: Job) -> None:
+        with self._lock:  # held while queueing: a worker decides to end under it, seeing no job
+            jobs = self._workers.get((host, port))
+            if jobs is None and len(self._workers) < MAX_PEERS and not self._stopped:
+                jobs = self._workers[(host, port)] = queue.SimpleQueue()
+                name = f"hybridkv-peer-io-{host}:{port}"
+                threading.Thread(target=self._work, args=(host, port, jobs), name=name, daemon=True).start()
+            if jobs is not None:
+                jobs.put(job)
+                return
+        self._fail(job, f"too many prefill instances in flight (more than {MAX_PEERS})")
 
-    def _run(self) -> None:
+    def _fail(self, job: Job, reason: str) -> None:
+        _, kind, key = job
+        if key:
+            self._post(PeerResult(kind, key, False, reason))
+
+    def _work(self, host: str, port: int, jobs: queue.SimpleQueue[Job | None]) -> None:
+        idle = 0.0
         while True:
             try:
-                job = self._jobs.get(timeout=self.renew_every_s)
+                job = jobs.get(timeout=self.renew_every_s)
             except queue.Empty:
                 with self._lock:
-                    targets = list(self._tracked.values())
-                for host, port, remote_id in targets:
-                    self._quiet(host, port, {"op": "renew", "request_id": remote_id})
+                    targets = [t for t in self._tracked.values() if (t.host, t.port) == (host, port)]
+                    idle = 0.0 if targets else idle + self.renew_every_s
+                    if idle >= IDLE_EXIT_S and jobs.empty():
+                        if self._workers.get((host, port)) is jobs:
+                            del self._workers[(host, port)]
+                        return
+                for target in targets:
+                    self._renew(target)
                 continue
             if job is None:
                 return
-            job()
+            idle = 0.0
+            try:
+                result = job[0]()
+            except Exception as e:  # whatever this peer sent, it fails this job only
+                self._fail(job, str(e) if isinstance(e, ConnectionError) else f"KV side channel {host}:{port}: {e}")
+                continue
+            if result is not None:
+                self._post(result)
+
+    def _renew(self, target: Target) -> None:
+        try:
+            self._lease_op(target, Op.RENEW)
+        except Exception as e:
+            logger.info("side channel: %s", e)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
+from typing import Any
 
 import torch
 
@@ -81,19 +82,30 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: Any = None,
     ) -> Request:
+        """`kv_transfer_params`: what `accept_transfer_params` returned, or a raw dict it is applied to."""
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        if kv_transfer_params and self.connector is None:
-            raise ValueError("kv_transfer_params need a server started with --kv-transfer-config")
+        if isinstance(kv_transfer_params, dict):
+            kv_transfer_params = self.accept_transfer_params(kv_transfer_params)
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, ids, params, self.plan.block_size, self.eos_token_ids, kv_transfer_params=kv_transfer_params)
         self.scheduler.add(req)
         return req
+
+    def accept_transfer_params(self, raw: Any) -> Any:
+        """Client-supplied kv_transfer_params, parsed and verified by the connector (thread-safe: the server calls
+        it before queueing). ValueError names a bad field; TransferRefused is a verification failure under
+        kv_load_failure_policy "fail"."""
+        if not raw:
+            return None
+        if self.connector is None:
+            raise ValueError("kv_transfer_params need a server started with --kv-transfer-config")
+        return self.connector.accept_transfer_params(raw)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ class Request:
         block_size: int,
         eos_token_ids: tuple[int, ...] = (),
         cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -58,7 +59,7 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         # Connector state: what the client sent, how many tokens a connector is loading, what goes back.
-        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer_params = kv_transfer_params  # what the connector's accept_transfer_params returned
         self.num_external_tokens = 0
         self.kv_transfer_params_out: dict | None = None
         self.error: str | None = None

@@ -1,5 +1,8 @@
 """OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health,
-/metrics."""
+/metrics; /admin/kv with --enable-admin; /kv_transfer/release for PD proxies.
+
+POST bodies must be `application/json`: a browser cannot send that cross-origin without a preflight this server
+never grants, so a web page the operator opens cannot drive it."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from hybridkv.connectors.base import TransferRefused
 from hybridkv.runner.sampler import TokenLogprob
 from hybridkv.serve.async_engine import AsyncEngine, Update
 from hybridkv.serve.chat import render_chat
@@ -22,7 +26,7 @@ from hybridkv.serve.protocol import APIError, ChatRequest, CompletionRequest, pa
 DEFAULT_MAX_TOKENS = 16
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, enable_admin: bool = False) -> FastAPI:
     app = FastAPI(title="hybridkv")
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
@@ -32,6 +36,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         return _error(e)
 
     async def body(request: Request) -> Any:
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json":
+            raise APIError(415, f"Content-Type must be application/json, got {media or 'none'!r}")
         try:
             return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -51,17 +58,41 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         tokenizer = engine.engine.tokenizer
         return str(token_id) if tokenizer is None else tokenizer.token_text(token_id)
 
+    def transfer_params(raw: Any) -> Any:
+        try:
+            return engine.accept_transfer_params(raw)
+        except ValueError as e:
+            raise APIError(400, str(e), param="kv_transfer_params") from e
+        except TransferRefused as e:
+            raise APIError(403, str(e), "permission_error", param="kv_transfer_params") from e
+
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        """503 naming the engine's threads that died (a server that cannot serve must not look healthy)."""
+        dead = engine.dead_threads()
+        if dead:
+            return JSONResponse({"status": "unhealthy", "dead_threads": dead}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "hybridkv"}]}
 
-    @app.get("/admin/kv")
-    async def kv_state() -> dict:
-        return await engine.kv_state()
+    if enable_admin:
+
+        @app.get("/admin/kv")
+        async def kv_state() -> dict:
+            return await engine.kv_state()
+
+    @app.post("/kv_transfer/release")
+    async def release_transfer(request: Request) -> dict:
+        """A PD proxy will not use the kv_transfer_params this prefill instance returned: free their blocks now."""
+        data = await body(request)
+        raw = data.get("kv_transfer_params") if isinstance(data, dict) else None
+        try:
+            return {"released": engine.cancel_transfer(raw)}
+        except ValueError as e:
+            raise APIError(400, str(e), param="kv_transfer_params") from e
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -78,18 +109,19 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
             raise APIError(400, "streaming takes one prompt", param="prompt")
         ids = [prompt_ids(p) for p in prompts]
         params = req.sampling_params(DEFAULT_MAX_TOKENS)
+        kv_params = transfer_params(req.kv_transfer_params)
         meta = _meta("cmpl", "text_completion", model_name)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return _sse(
-                engine.generate(ids[0], params, req.kv_transfer_params),
+                engine.generate(ids[0], params, kv_params),
                 meta,
                 chat=False,
                 usage=usage,
                 token_text=token_text,
             )
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
-        results = await asyncio.gather(*(_collect(engine.generate(p, params, req.kv_transfer_params)) for p in ids))
+        results = await asyncio.gather(*(_collect(engine.generate(p, params, kv_params)) for p in ids))
         for i, (text, last, entries) in enumerate(results):
             lp = None if params.logprobs is None else completion_logprobs(entries, token_text)
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": last.finish_reason})
@@ -104,12 +136,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         check_model(req.model)
         ids = prompt_ids(render_chat(engine.engine.config.model, [m.model_dump() for m in req.messages]))
         params = req.sampling_params(DEFAULT_MAX_TOKENS)
+        kv_params = transfer_params(req.kv_transfer_params)
         meta = _meta("chatcmpl", "chat.completion", model_name)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             chunk_meta = meta | {"object": "chat.completion.chunk"}
-            return _sse(engine.generate(ids, params, req.kv_transfer_params), chunk_meta, chat=True, usage=usage)
-        text, last, _ = await _collect(engine.generate(ids, params, req.kv_transfer_params))
+            return _sse(engine.generate(ids, params, kv_params), chunk_meta, chat=True, usage=usage)
+        text, last, _ = await _collect(engine.generate(ids, params, kv_params))
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason}
         counts = {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens}
         extra = {"kv_transfer_params": last.kv_transfer_params} if last.kv_transfer_params else {}

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.engine.request import Request
@@ -90,10 +91,25 @@ class AsyncEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
+    def accept_transfer_params(self, raw: Any) -> Any:
+        """Parse and verify client kv_transfer_params before queueing (see LLMEngine.accept_transfer_params)."""
+        return self.engine.accept_transfer_params(raw)
+
+    def cancel_transfer(self, raw: Any) -> bool:
+        connector = self.engine.connector
+        return connector is not None and connector.cancel_transfer(raw)
+
+    def dead_threads(self) -> list[str]:
+        """Background threads that died: the engine's own and its connector's."""
+        dead = [] if self._thread.is_alive() or self._stopped else ["engine"]
+        connector = self.engine.connector
+        return dead + (connector.dead_threads() if connector is not None else [])
+
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, kv_transfer_params: dict | None = None
+        self, prompt_ids: list[int], params: SamplingParams, kv_transfer_params: Any = None
     ) -> AsyncIterator[Update]:
-        """Stream a request's updates. Leaving the loop early (a client that went away) aborts it."""
+        """Stream a request's updates. Leaving the loop early (a client that went away) aborts it.
+        `kv_transfer_params`: what `accept_transfer_params` returned."""
         request_id = f"cmpl-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
@@ -126,15 +142,15 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stopped:
-            self._drain_inbox()
-            if not self.engine.has_unfinished():
-                connector = self.engine.connector
-                self._wake.wait(connector.next_deadline() if connector else None)
-                self._wake.clear()
-                if connector is not None:
-                    self.engine.scheduler.apply(connector.poll())  # releases and expired leases
-                continue
             try:
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    connector = self.engine.connector
+                    self._wake.wait(connector.next_deadline() if connector else None)
+                    self._wake.clear()
+                    if connector is not None:
+                        self.engine.scheduler.apply(connector.poll())  # releases and expired leases
+                    continue
                 self.engine.step()
             except Exception as e:  # a bug in a step must not take the server down silently
                 logger.exception("engine step failed; failing its requests")

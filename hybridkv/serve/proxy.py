@@ -20,7 +20,6 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from hybridkv.connectors.side_channel import request as side_channel_request
 from hybridkv.serve.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -91,28 +90,28 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
             return JSONResponse(_json(r), status_code=r.status_code)
         params = _json(r).get("kv_transfer_params")
         if await request.is_disconnected():
-            await release(params)
+            await release(p_url, params, headers)
             return _error(APIError(499, "client closed the request", "client_closed"))
         second = body | ({"kv_transfer_params": params} if params else {})
         if not body.get("stream"):
             try:
                 r = await client.post(d_url + route, json=second, headers=headers)
             except httpx.HTTPError as e:
-                await release(params)
+                await release(p_url, params, headers)
                 return _error(APIError(502, f"decode instance {d_url} unreachable: {e}", "server_error"))
             if r.status_code != 200:
-                await release(params)  # the decoder refused the request: nobody will read the prefill's blocks
+                await release(p_url, params, headers)  # the decoder refused it: nobody will read the prefill blocks
             return JSONResponse(_json(r), status_code=r.status_code)
         upstream = client.build_request("POST", d_url + route, json=second, headers=headers)
         try:
             response = await client.send(upstream, stream=True)
         except httpx.HTTPError as e:
-            await release(params)
+            await release(p_url, params, headers)
             return _error(APIError(502, f"decode instance {d_url} unreachable: {e}", "server_error"))
         if response.status_code != 200:
             content = await response.aread()
             await response.aclose()
-            await release(params)
+            await release(p_url, params, headers)
             return JSONResponse(json.loads(content or b"{}"), status_code=response.status_code)
 
         async def stream():
@@ -124,15 +123,16 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
-    async def release(params: dict[str, Any] | None) -> None:
-        """Free a prefill lease nobody will read."""
+    async def release(p_url: str, params: dict[str, Any] | None, headers: dict[str, str]) -> None:
+        """Free a prefill lease nobody will read (the prefill instance checks that it issued these params)."""
         if not params:
             return
-        message = {"op": "release", "request_id": params.get("remote_request_id")}
         try:
-            await asyncio.to_thread(side_channel_request, params["remote_host"], int(params["remote_port"]), message)
-        except (ConnectionError, KeyError, ValueError) as e:
-            logger.warning("could not release a prefill lease: %s", e)
+            r = await client.post(f"{p_url}/kv_transfer/release", json={"kv_transfer_params": params}, headers=headers)
+            if r.status_code != 200:
+                logger.warning("could not release a prefill lease at %s: %s", p_url, r.text[:200])
+        except httpx.HTTPError as e:
+            logger.warning("could not release a prefill lease at %s: %s", p_url, e)
 
     return app
 

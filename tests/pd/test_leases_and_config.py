@@ -7,24 +7,29 @@ import pytest
 
 from hybridkv.connectors.base import KVTransferConfig
 from hybridkv.connectors.leases import LeaseTable
+from hybridkv.connectors.mesh_auth import MeshKeys
 from hybridkv.connectors.side_channel import SideChannelServer, request
+
+KEYS = MeshKeys.derive(None)
+SIG_A, SIG_B = "a" * 64, "b" * 64
 
 
 def test_a_release_is_trusted_only_while_the_lease_is_held():
     leases = LeaseTable(duration_s=0.2)
-    leases.grant("a")
-    leases.grant("b")
-    assert leases.renew("a") and leases.release("a")
-    assert not leases.release("a")  # twice: the second reader must not trust anything
+    a, b = leases.new_id(), leases.new_id()
+    leases.grant(a, "req-a", SIG_A)
+    leases.grant(b, "req-b", SIG_B)
+    assert leases.renew(a, SIG_A) and leases.release(a, SIG_A)
+    assert not leases.release(a, SIG_A)  # twice: the second reader must not trust anything
     time.sleep(0.25)
-    assert not leases.renew("b") and not leases.release("b")  # expired
-    assert sorted(leases.collect()) == ["a", "b"] and leases.collect() == []
+    assert not leases.renew(b, SIG_B) and not leases.release(b, SIG_B)  # expired
+    assert sorted(leases.collect()) == ["req-a", "req-b"] and leases.collect() == []
     assert leases.expired_total == 0 and leases.released_total == 2  # b was marked by its failed release
 
 
 def test_expired_leases_are_collected_once_and_counted():
     leases = LeaseTable(duration_s=0.05)
-    leases.grant("x")
+    leases.grant(leases.new_id(), "x", SIG_A)
     assert leases.collect() == [] and 0 <= leases.next_deadline() <= 0.05
     time.sleep(0.06)
     assert leases.collect() == ["x"] and leases.expired_total == 1 and leases.next_deadline() is None
@@ -46,18 +51,18 @@ def test_bad_kv_transfer_config_is_a_clear_error(value, message):
 
 
 def test_side_channel_answers_and_a_taken_port_is_a_clear_error():
-    server = SideChannelServer("127.0.0.1", 0, lambda msg: {"ok": True, "echo": msg["x"]})
+    server = SideChannelServer("127.0.0.1", 0, lambda msg: {"ok": True, "echo": msg["x"]}, KEYS)
     try:
-        assert request("127.0.0.1", server.port, {"x": 7}) == {"ok": True, "echo": 7}
+        assert request("127.0.0.1", server.port, {"x": 7}, KEYS) == {"ok": True, "echo": 7}
         with pytest.raises(ValueError, match="side_channel_port"):
-            SideChannelServer("127.0.0.1", server.port, lambda msg: msg)
+            SideChannelServer("127.0.0.1", server.port, lambda msg: msg, KEYS)
     finally:
         server.close()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
     with pytest.raises(ConnectionError, match=f"127.0.0.1:{dead}"):
-        request("127.0.0.1", dead, {"x": 1}, timeout=1)
+        request("127.0.0.1", dead, {"x": 1}, KEYS, timeout=1)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ loopback, NIXL underneath, on the embedded model and a tiny random Gemma 4 (both
 from __future__ import annotations
 
 import json
+import secrets
 import signal
 import threading
 import time
@@ -14,58 +15,34 @@ import pytest
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
-from tests.procs import Process, free_port
-
-try:
-    from hybridkv.connectors.nixl_transport import _nixl
-
-    _nixl()
-except ValueError:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
-
-ENGINE = ["--threads", "1", "--kv-cache-memory", "32MiB", "--max-model-len", "512"]
-HELDOUT = [json.loads(line) for line in (DEFAULT_MODEL_DIR / "heldout.jsonl").read_text().splitlines()]
-SHORT = ["Remember these codes.\n- ant 58\nQ: what is ant?\nA: ant", "hi"]  # shorter than the 16-token window
-
-
-def server(model: str, layout: str = "per-layer", *extra: str, **options) -> Process:
-    config = {"side_channel_port": free_port(), "kv_lease_s": 3} | options
-    ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": config}
-    return Process(
-        "serve", "--model", model, "--kv-layout", layout, *ENGINE, "--kv-transfer-config", json.dumps(ktc), *extra
-    )
+from tests.pd.pd_util import (
+    HELDOUT,
+    SHORT,
+    assert_clean,
+    complete,
+    kv_state,
+    prefill_only,
+    proxy,
+    server,
+    single_instance,
+)
+from tests.procs import Process
 
 
-def proxy(prefill: Process, decode: Process) -> Process:
-    return Process("proxy", "--prefill", prefill.url, "--decode", decode.url)
-
-
-def complete(url: str, prompt: str, max_tokens: int = 12, **extra) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True} | extra
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
-
-
-def kv_state(p: Process) -> dict:
-    return httpx.get(f"{p.url}/admin/kv", timeout=10).json()
-
-
-def assert_clean(*servers: Process, timeout: float = 10) -> None:
-    """Every instance ends with its integrity check passing and no block held (leases released or expired)."""
-    for s in servers:
-        deadline = time.monotonic() + timeout
-        while (state := kv_state(s))["blocks_used"] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert state["integrity"] == "ok" and state["blocks_used"] == 0, (state, s.output())
-
-
-def single_instance(model: str, prompts: list[str], max_tokens: int = 12) -> list[str]:
-    llm = LLM(model, kv_cache_memory="32MiB", max_model_len=512)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return [o.outputs[0].text for o in llm.generate(prompts, params)]
+@pytest.fixture(scope="module", autouse=True, params=["mesh secret", "no secret"])
+def mesh(request):
+    """Every test runs twice: with HYBRIDKV_KV_SECRET set for all instances (authenticated side channel, signed
+    params) and without one (loopback only)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "mesh secret":
+            mp.setenv("HYBRIDKV_KV_SECRET", secrets.token_hex(16))
+        else:
+            mp.delenv("HYBRIDKV_KV_SECRET", raising=False)
+        yield request.param
 
 
 @pytest.fixture(scope="module")
-def embedded():
+def embedded(mesh):
     p, d = server(str(DEFAULT_MODEL_DIR)), server(str(DEFAULT_MODEL_DIR))
     x = proxy(p, d)
     yield p, d, x
@@ -138,11 +115,6 @@ def test_lm_eval_through_the_proxy_scores_the_single_instance_score(embedded, tm
     p, d, x = embedded
     assert lm_eval_server_accuracy(x.url, DEFAULT_MODEL_DIR.name, data) == pytest.approx(single) and single >= 0.9
     assert_clean(p, d)
-
-
-def prefill_only(p: Process, prompt: str) -> dict:
-    r = complete(p.url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    return r["kv_transfer_params"]
 
 
 def test_an_expired_lease_frees_prefill_and_the_decoder_recomputes(embedded):

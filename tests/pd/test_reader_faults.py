@@ -7,7 +7,10 @@ from pathlib import Path
 
 from hybridkv.connectors.base import ConnectorEvents
 from hybridkv.connectors.descriptors import Placement
-from hybridkv.connectors.nixl_reader import NixlReader, prompt_hash
+from hybridkv.connectors.nixl_reader import NixlReader, Peer
+from hybridkv.connectors.pd_messages import HandshakeRequest
+from hybridkv.connectors.peer_io import PeerResult, ResultKind
+from hybridkv.connectors.transfer_params import RemotePrefill, prompt_hash
 from hybridkv.engine.request import Request
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.kv.planner import CacheConfig, plan_from_hf_config
@@ -44,9 +47,9 @@ class FakeIO:
         self.lease_held = lease_held
 
     def confirm(self, request_id) -> None:
-        self.posted.append(("lease", request_id, self.lease_held))
+        self.posted.append(PeerResult(ResultKind.LEASE, request_id, self.lease_held))
 
-    def track(self, request_id, host, port, remote_request_id) -> None:
+    def track(self, request_id, target) -> None:
         self.tracked.append(request_id)
 
     def release_tracked(self, request_id, report) -> None:
@@ -60,23 +63,17 @@ class FakeIO:
 def reader(transport: FakeTransport, io: FakeIO, timeout_s: float) -> NixlReader:
     plan = plan_from_hf_config(CONFIG, CacheConfig(64 << 20, 1024), block_size=16, dtype="float32")
     here = Placement.of(plan, [(i + 1) << 40 for i in range(len(plan.buffer_sizes))])
-    r = NixlReader(plan, transport, here, {}, io, timeout_s)
-    r.peers["prefill-0"] = ("agent", here)  # handshake already done
+    r = NixlReader(plan, transport, here, HandshakeRequest("0" * 64, "decode-0"), io, timeout_s)
+    r.peers["prefill-0"] = Peer("127.0.0.1", 1, "agent", here, plan.num_blocks)  # handshake already done
     return r
 
 
 def start(r: NixlReader) -> Request:
     prompt = list(range(4, 68))
-    params = {
-        "do_remote_prefill": True,
-        "remote_engine_id": "prefill-0",
-        "remote_host": "127.0.0.1",
-        "remote_port": 1,
-        "remote_request_id": "p-1",
-        "remote_block_ids": [[1, 2, 3, 4] for _ in r.plan.groups],
-        "remote_num_tokens": len(prompt),
-        "prompt_hash": prompt_hash(prompt),
-    }
+    params = RemotePrefill(
+        "prefill-0", "127.0.0.1", 1, "p-1", "0" * 32, tuple((1, 2, 3, 4) for _ in r.plan.groups), len(prompt),
+        prompt_hash(prompt), expires_at=0,
+    )  # fmt: skip
     req = Request("r-1", prompt, SamplingParams(), 16, kv_transfer_params=params)
     req.num_external_tokens = r.num_external_tokens(req, 0)
     r.start_load(req, [[5, 6, 7, 8] for _ in r.plan.groups], 0)

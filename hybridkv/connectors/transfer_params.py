@@ -1,0 +1,204 @@
+"""kv_transfer_params: the typed, signed form of what a prefill instance hands a decoder (vLLM's field names).
+
+A request to a prefill instance carries `{"do_remote_decode": true}` (`RemoteDecode`). When it finishes, the
+prefill instance keeps its blocks under a lease and answers with a `RemotePrefill`: where to read (engine id, side
+channel host and port), what (block ids per group, prompt hash and token count), the lease (a 128-bit random id)
+and until when, all covered by a signature made with the mesh's params key. The decoder parses every field with
+the limits below and checks the signature before it contacts anyone; the prefill instance serves lease operations
+only for the lease id and signature it issued, so params cannot be pointed at another request's blocks.
+
+Everything here is hostile input until `parse_transfer_params` returned: it raises `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hybridkv.connectors.mesh_auth import mac, mac_ok
+
+EXPIRY_SLACK_S = 5  # clock difference tolerated between the prefill instance and the decoder
+MAX_BLOCK_ID = (1 << 31) - 1
+_ENGINE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+_HOST = re.compile(r"^[A-Za-z0-9.:_-]{1,253}$")
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# vLLM's proxies send these to a prefill instance, unset; they mean nothing there.
+_UNSET_ON_PREFILL = ("do_remote_prefill", "remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
+                     "remote_request_id")  # fmt: skip
+
+
+def prompt_hash(token_ids: list[int]) -> str:
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ParamLimits:
+    """What this instance can take: its KV groups and the most blocks a request of max_model_len holds."""
+
+    num_groups: int
+    max_blocks: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class RemoteDecode:
+    """To a prefill instance: keep this request's blocks under a lease for a decoder to read."""
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """To a decoder: read this prompt's KV from the prefill instance `engine_id` at `host:port`."""
+
+    engine_id: str
+    host: str
+    port: int
+    request_id: str  # the prefill instance's request id, for logs
+    lease_id: str  # 128-bit random hex: a capability for this lease only
+    block_ids: tuple[tuple[int, ...], ...]  # per group; 0 where no token reads (a sliding window let it go)
+    num_tokens: int
+    prompt_hash: str
+    expires_at: int  # wall-clock seconds: the lease ends by then unless a reader renews it
+    signature: str = ""
+
+    def signed_bytes(self) -> bytes:
+        fields = [self.engine_id, self.host, self.port, self.request_id, self.lease_id,
+                  [list(g) for g in self.block_ids], self.num_tokens, self.prompt_hash, self.expires_at]  # fmt: skip
+        return json.dumps(fields, separators=(",", ":")).encode()
+
+    def signed(self, params_key: bytes) -> RemotePrefill:
+        sig = mac(params_key, b"remote prefill", self.signed_bytes()).hex()
+        return replace(self, signature=sig)
+
+    def signature_ok(self, params_key: bytes) -> bool:
+        try:
+            tag = bytes.fromhex(self.signature)
+        except ValueError:
+            return False
+        return mac_ok(params_key, tag, b"remote prefill", self.signed_bytes())
+
+    def expired(self, now: float | None = None) -> bool:
+        return (time.time() if now is None else now) > self.expires_at + EXPIRY_SLACK_S
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_request_id": self.request_id,
+            "remote_block_ids": [list(g) for g in self.block_ids],
+            "remote_num_tokens": self.num_tokens,
+            "prompt_hash": self.prompt_hash,
+            "lease_id": self.lease_id,
+            "expires_at": self.expires_at,
+            "signature": self.signature,
+        }
+
+
+TransferParams = RemoteDecode | RemotePrefill
+PREFILL_KEYS = frozenset({"do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_host", "remote_port",
+                          "remote_request_id", "remote_block_ids", "remote_num_tokens", "prompt_hash", "lease_id",
+                          "expires_at", "signature"})  # fmt: skip
+
+
+def parse_transfer_params(raw: Any, limits: ParamLimits) -> TransferParams | None:
+    """The typed params, or None when they ask for nothing. ValueError names the first bad field."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ValueError("kv_transfer_params must be a JSON object")
+    if raw.get("do_remote_decode") is True:
+        unknown = set(raw) - {"do_remote_decode", *_UNSET_ON_PREFILL}
+        if unknown:
+            raise ValueError(f"kv_transfer_params.{sorted(unknown)[0]}: not a field of a prefill request")
+        for key in _UNSET_ON_PREFILL:
+            if raw.get(key) not in (None, False):
+                raise ValueError(f"kv_transfer_params.{key}: must be unset when do_remote_decode is true")
+        return RemoteDecode()
+    if raw.get("do_remote_prefill") is not True:
+        for key in ("do_remote_decode", "do_remote_prefill"):
+            if raw.get(key) not in (None, False):
+                raise ValueError(f"kv_transfer_params.{key}: must be true or false")
+        if set(raw) - {"do_remote_decode", "do_remote_prefill"}:
+            raise ValueError("kv_transfer_params: remote_* fields need do_remote_prefill: true")
+        return None
+    unknown = set(raw) - PREFILL_KEYS
+    if unknown:
+        raise ValueError(f"kv_transfer_params.{sorted(unknown)[0]}: unknown field")
+    if raw.get("do_remote_decode") not in (None, False):
+        raise ValueError("kv_transfer_params.do_remote_decode: must be false with do_remote_prefill")
+    return RemotePrefill(
+        engine_id=_text(raw, "remote_engine_id", _ENGINE_ID),
+        host=_host(raw),
+        port=_int(raw, "remote_port", 1, 65535),
+        request_id=_text(raw, "remote_request_id", _REQUEST_ID),
+        lease_id=_text(raw, "lease_id", _HEX32),
+        block_ids=_block_ids(raw, limits),
+        num_tokens=_int(raw, "remote_num_tokens", 1, limits.max_tokens),
+        prompt_hash=_text(raw, "prompt_hash", _HEX64),
+        expires_at=_int(raw, "expires_at", 0, 1 << 40),
+        signature=_text(raw, "signature", _HEX64),
+    )
+
+
+def _field(raw: Mapping[str, Any], key: str) -> Any:
+    if key not in raw:
+        raise ValueError(f"kv_transfer_params.{key}: missing")
+    return raw[key]
+
+
+def _text(raw: Mapping[str, Any], key: str, pattern: re.Pattern[str]) -> str:
+    value = _field(raw, key)
+    if not isinstance(value, str) or not pattern.match(value):
+        raise ValueError(f"kv_transfer_params.{key}: malformed")
+    return value
+
+
+def _int(raw: Mapping[str, Any], key: str, low: int, high: int) -> int:
+    value = _field(raw, key)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"kv_transfer_params.{key}: must be an integer in [{low}, {high}]")
+    return value
+
+
+def _host(raw: Mapping[str, Any]) -> str:
+    host = _text(raw, "remote_host", _HOST)
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not all(part and len(part) <= 63 for part in host.split(".")):
+            raise ValueError("kv_transfer_params.remote_host: not an IP address or host name") from None
+    return host
+
+
+def _block_ids(raw: Mapping[str, Any], limits: ParamLimits) -> tuple[tuple[int, ...], ...]:
+    value = _field(raw, "remote_block_ids")
+    if not isinstance(value, list) or len(value) != limits.num_groups:
+        raise ValueError(f"kv_transfer_params.remote_block_ids: must be {limits.num_groups} lists, one per KV group")
+    out = []
+    for g, ids in enumerate(value):
+        if not isinstance(ids, list) or len(ids) > limits.max_blocks:
+            raise ValueError(f"kv_transfer_params.remote_block_ids[{g}]: a list of at most {limits.max_blocks} ids")
+        for b in ids:
+            if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BLOCK_ID:
+                raise ValueError(f"kv_transfer_params.remote_block_ids[{g}]: ids must be integers in [0, 2**31)")
+        out.append(tuple(ids))
+    return tuple(out)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
