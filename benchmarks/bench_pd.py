@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation, side by side in one run: TTFT through the PD proxy vs one instance, bytes,
-descriptors and transfer time per request, packed vs per-layer, raw NIXL throughput, idle CPU of PD servers.
+descriptors and transfer time per request, packed vs per-layer, raw NIXL throughput, idle CPU of PD servers, and
+what the mesh secret costs (TTFT through the proxy with and without one, alternating).
 
-    python benchmarks/bench_pd.py [--lengths 1024 4096 16384] [--repeats 3]
+    python benchmarks/bench_pd.py [--lengths 1024 4096 16384] [--repeats 3] [--auth-only] [--auth-repeats 20]
 
 Model: the tiny Gemma 4 of bench_offline.py (hidden 128, 8 layers, head 32 / global 64, window 16, 3 KV-shared
 layers) with room for 16k-token prompts, float32. Every prompt is fresh random ids, so no prefix cache helps.
@@ -30,12 +31,42 @@ from tests.procs import Process, free_port
 RAW = Path(__file__).with_name("nixl_raw.py")
 
 
-def serve(folder: Path, layout: str, max_len: int) -> Process:
-    ktc = {"kv_connector": "NixlConnector", "kv_connector_extra_config": {"side_channel_port": free_port()}}
+def serve(folder: Path, layout: str, max_len: int, secret_file: Path | None = None) -> Process:
+    extra: dict = {"side_channel_port": free_port()} | ({"secret_file": str(secret_file)} if secret_file else {})
+    ktc = {"kv_connector": "NixlConnector", "kv_connector_extra_config": extra}
     return Process(
         "serve", "--model", str(folder), "--kv-layout", layout, "--threads", "1", "--kv-cache-memory", "1GiB",
-        "--max-model-len", str(max_len), "--kv-transfer-config", json.dumps(ktc),
+        "--max-model-len", str(max_len), "--enable-admin", "--kv-transfer-config", json.dumps(ktc),
     )  # fmt: skip
+
+
+def auth_overhead(folder: Path, length: int, repeats: int, rng: random.Random) -> None:
+    """TTFT through the proxy with a mesh secret and without, two meshes up at once, requests alternating, fresh
+    prompts each time: the cost of MACs, encryption and signatures on the handshake, confirm and release."""
+    secret = folder.parent / "secret"
+    secret.write_text(os.urandom(24).hex())
+    secret.chmod(0o600)
+    meshes = {}
+    try:
+        for name, path in (("secret", secret), ("none", None)):
+            p, d = serve(folder, "packed", length + 64, path), serve(folder, "packed", length + 64, path)
+            meshes[name] = (p, d, Process("proxy", "--prefill", p.url, "--decode", d.url))
+        times: dict[str, list[float]] = {name: [] for name in meshes}
+        for _ in range(repeats + 1):  # the first round warms up (handshakes)
+            for name, (_, _, x) in meshes.items():
+                times[name].append(ttft(x.url, [rng.randrange(4, 512) for _ in range(length)]))
+        reads = {name: connector(d)["kv_transfer_reads"] for name, (_, d, _) in meshes.items()}
+        failures = {name: connector(d)["kv_transfer_failures"] for name, (_, d, _) in meshes.items()}
+    finally:
+        for procs in meshes.values():
+            for proc in procs[::-1]:
+                proc.stop()
+    med = {name: statistics.median(t[1:]) for name, t in times.items()}
+    print(
+        f"mesh secret at {length} tokens, packed, {repeats} alternating requests each: TTFT through the proxy "
+        f"{med['secret'] * 1e3:.1f} ms with a secret, {med['none'] * 1e3:.1f} ms without: "
+        f"{med['secret'] / med['none']:.3f}x (reads {reads}, failures {failures})"
+    )
 
 
 def ttft(url: str, prompt: list[int]) -> float:
@@ -102,12 +133,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--auth-repeats", type=int, default=20)
+    ap.add_argument("--auth-only", action="store_true", help="only the with/without mesh secret comparison")
     args = ap.parse_args()
     rng = random.Random(0)
     max_len = max(args.lengths) + 64
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "tiny-gemma4"
         build_model(folder, max_positions=max_len)
+        auth_overhead(folder, 1024, args.auth_repeats, rng)
+        if args.auth_only:
+            return
         rows, idle = [], {}
         for layout in ("packed", "per-layer"):
             p, d = serve(folder, layout, max_len), serve(folder, layout, max_len)

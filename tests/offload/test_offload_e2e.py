@@ -8,12 +8,14 @@ from __future__ import annotations
 import errno
 import json
 import random
+import secrets
 from pathlib import Path
 
 import pytest
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.connectors import offload_disk
+from hybridkv.connectors.mesh_auth import SECRET_ENV
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from hybridkv.engine.tokenizer import Tokenizer
 from hybridkv.kv.hashing import hash_blocks
@@ -34,8 +36,19 @@ def gemma_prompts() -> list[list[int]]:
     return [[rng.randrange(4, 512) for _ in range(n)] for n in (150, 97, 200)]
 
 
+@pytest.fixture(scope="module", autouse=True, params=["mesh secret", "no secret"])
+def mesh(request):
+    """Every test runs with HYBRIDKV_KV_SECRET set (keyed disk entries and directory) and without one."""
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "mesh secret":
+            mp.setenv(SECRET_ENV, secrets.token_hex(16))
+        else:
+            mp.delenv(SECRET_ENV, raising=False)
+        yield request.param
+
+
 @pytest.fixture(scope="module", params=["embedded", "gemma4"])
-def model(request):
+def model(request, mesh):
     """(model folder, prompts, outputs computed from scratch without offloading)."""
     if request.param == "embedded":
         folder, prompts = str(DEFAULT_MODEL_DIR), embedded_prompts()
