@@ -31,7 +31,10 @@ def instance(folder, policy: str = "recompute", **app_options) -> tuple[AsyncEng
 
 @pytest.fixture(scope="module")
 def pair(tiny_gemma4):
-    (pe, prefill), (de, decode) = instance(tiny_gemma4), instance(tiny_gemma4, "fail")
+    """A prefill and a decode instance (policy fail), without a mesh secret."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("HYBRIDKV_KV_SECRET", raising=False)
+        (pe, prefill), (de, decode) = instance(tiny_gemma4), instance(tiny_gemma4, "fail")
     yield prefill, decode
     pe.stop()
     de.stop()
@@ -82,6 +85,21 @@ def test_bad_params_are_400s_naming_the_field_and_forged_ones_403_under_fail(pai
     assert r.status_code == 403  # refused before the stream starts
     good = decode.post("/v1/completions", json=PROMPT | {"kv_transfer_params": params})
     assert good.status_code == 200
+
+
+def test_without_a_secret_a_decoder_reads_only_from_this_host(pair):
+    """Anyone can compute the public signature, so params may name any host: the decoder refuses remote ones."""
+    from dataclasses import replace
+
+    from hybridkv.connectors.mesh_auth import MeshKeys
+    from hybridkv.connectors.transfer_params import ParamLimits, parse_transfer_params
+
+    prefill, decode = pair
+    params = issued(prefill)
+    typed = parse_transfer_params(params, ParamLimits(len(params["remote_block_ids"]), 64, 256))
+    remote = replace(typed, host="10.1.2.3").signed(MeshKeys.derive(None).params).to_json()
+    r = decode.post("/v1/completions", json=PROMPT | {"kv_transfer_params": remote})
+    assert r.status_code == 403 and "only from instances on this host" in r.json()["error"]["message"]
 
 
 def test_the_release_route_frees_only_params_this_instance_issued(pair):

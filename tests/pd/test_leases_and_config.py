@@ -72,11 +72,14 @@ def test_side_channel_answers_and_a_taken_port_is_a_clear_error():
         ({"kv_load_failure_policy": "retry"}, "kv_load_failure_policy must be one of"),
         ({"kv_lease_s": 0}, "must be positive"),
         ({"side_channel_port": "five"}, "kv_connector_extra_config.side_channel_port"),
+        ({"side_channel_host": "0.0.0.0"}, "would listen on 0.0.0.0 without a mesh secret"),
+        ({"secret_file": "/nonexistent/secret"}, "secret_file /nonexistent/secret"),
     ],
 )
-def test_bad_nixl_options_are_clear_errors(extra, message):
+def test_bad_nixl_options_are_clear_errors(extra, message, monkeypatch):
     from hybridkv.connectors.base import CONNECTORS, EngineIdentity
 
+    monkeypatch.delenv("HYBRIDKV_KV_SECRET", raising=False)
     config = KVTransferConfig("NixlConnector", kv_connector_extra_config=extra)
     with pytest.raises(ValueError, match=message):
         CONNECTORS["NixlConnector"](config, EngineIdentity("e", "model", "float32"))

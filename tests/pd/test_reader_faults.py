@@ -52,6 +52,9 @@ class FakeIO:
     def track(self, request_id, target) -> None:
         self.tracked.append(request_id)
 
+    def handshake(self, engine_id, host, port, message) -> None:
+        pass
+
     def release_tracked(self, request_id, report) -> None:
         self.released.append((request_id, report))
 
@@ -121,3 +124,28 @@ def test_a_lease_that_already_ended_fails_fast_without_a_read():
     r.poll(events)
     assert events.loaded == {"r-1": False} and transport.reads == 0
     assert io.released == [("r-1", False)] and r.stats["kv_transfer_failures"] == 1
+
+
+def test_a_handshake_answered_by_another_engine_fails_the_load_and_caches_nothing():
+    """A relay or a restarted instance answering for an engine id it is not: the peer is not learned."""
+    from dataclasses import replace
+
+    from hybridkv.connectors.pd_messages import HandshakeReply
+
+    transport, io = FakeTransport("DONE", refusals=0), FakeIO()
+    r = reader(transport, io, timeout_s=60.0)
+    known = r.peers.pop("prefill-0")
+    req = start(r)
+    assert r.loads[req.request_id].state.value == "handshake"
+    impostor = HandshakeReply("someone-else", b"meta", known.placement, known.num_blocks, "packed")
+    io.posted.append(PeerResult(ResultKind.HANDSHAKE, "prefill-0", True, handshake=impostor))
+    events = ConnectorEvents()
+    r.poll(events)
+    assert events.loaded == {"r-1": False} and "is engine someone-else" in events.errors["r-1"]
+    assert "prefill-0" not in r.peers and transport.reads == 0
+    other_layers = replace(impostor, engine_id="prefill-0", placement=Placement({0: (1, 2)}))
+    start(r)
+    io.posted.append(PeerResult(ResultKind.HANDSHAKE, "prefill-0", True, handshake=other_layers))
+    events = ConnectorEvents()
+    r.poll(events)
+    assert "placement names other layers" in events.errors["r-1"] and "prefill-0" not in r.peers
