@@ -26,6 +26,7 @@ from hybridkv.connectors.transfer_params import ParamLimits, parse_transfer_para
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
 from hybridkv.kv.planner import CacheConfig, plan_kv_cache
+from tests.pd.frames import exchange, refused
 from tests.pd.pd_util import (
     HELDOUT,
     assert_clean,
@@ -76,22 +77,6 @@ def text(out: dict) -> str:
     return out["choices"][0]["text"]
 
 
-def raw(port: int, frame: bytes) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-        conn.sendall(frame)
-        chunks = []
-        try:
-            while chunk := conn.recv(1 << 16):
-                chunks.append(chunk)
-        except ConnectionResetError:
-            pass
-    return b"".join(chunks)
-
-
-def refusal(reply: bytes) -> bool:
-    return reply == b"" or reply.endswith(json.dumps(side_channel.REFUSED).encode())
-
-
 def compat_of(model: str) -> str:
     kv = model_kv_from_hf(load_hf_config(model), block_size=16, dtype="float32")
     plan = plan_kv_cache(kv, CacheConfig(32 << 20, 512))
@@ -120,9 +105,9 @@ def test_an_outsider_learns_nothing_from_the_side_channel(mesh):
             LeaseRequest(Op.RENEW, params["lease_id"], params["signature"]).to_json(), {"op": "steal"}]  # fmt: skip
     for keys in (PUBLIC, WRONG):
         for ask in asks:
-            reply = raw(port, encode(keys, REQUEST, ask))
-            assert refusal(reply) and engine_id.encode() not in reply and b"agent_metadata" not in reply
-    assert refusal(raw(port, b'{"op": "handshake", "compat": "0"}\n'))  # the old unauthenticated protocol
+            reply = exchange(port, encode(keys, REQUEST, ask))
+            assert refused(reply) and engine_id.encode() not in reply and b"agent_metadata" not in reply
+    assert refused(exchange(port, b'{"op": "handshake", "compat": "0"}\n'))  # the old unauthenticated protocol
     assert stats(p)["kv_side_channel_refused_total"] - before == 9
     # A mesh member with the wrong model learns that it is incompatible, not this instance's hash.
     answer = request("127.0.0.1", port, HandshakeRequest("0" * 64, "member").to_json(), KEYS)
@@ -136,7 +121,7 @@ def test_nixl_metadata_goes_only_to_mesh_members_encrypted_and_a_replay_gets_not
     and replaying a member's captured handshake gets a refusal."""
     p, _, _ = mesh
     frame = encode(KEYS, REQUEST, HandshakeRequest(compat_of(MODEL), "member-" + secrets.token_hex(4)).to_json())
-    sniffed = raw(channel(p), frame)
+    sniffed = exchange(channel(p), frame)
     size = side_channel._HEAD.size
     head, tag, payload = sniffed[:size], sniffed[size : side_channel.FRAME_HEADER], sniffed[side_channel.FRAME_HEADER :]
     request_nonce = side_channel._HEAD.unpack(frame[:size])[4]
@@ -145,7 +130,7 @@ def test_nixl_metadata_goes_only_to_mesh_members_encrypted_and_a_replay_gets_not
     plain = side_channel.xor_stream(KEYS.cipher, side_channel._HEAD.unpack(head)[4], payload)
     reply = parse_handshake_reply(side_channel.decode_payload(plain))
     assert len(reply.agent_metadata) > 100 and reply.agent_metadata not in sniffed  # a member gets it, sealed
-    assert refusal(raw(channel(p), frame))  # the same captured bytes again
+    assert refused(exchange(channel(p), frame))  # the same captured bytes again
 
 
 def test_forged_and_swapped_block_ids_never_read_another_requests_kv(mesh, single):

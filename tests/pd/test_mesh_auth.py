@@ -16,6 +16,7 @@ from hybridkv.connectors import side_channel
 from hybridkv.connectors.leases import LeaseTable
 from hybridkv.connectors.mesh_auth import SECRET_ENV, MeshKeys, ReplayGuard, load_secret
 from hybridkv.connectors.side_channel import REQUEST, SideChannelServer, encode, request
+from tests.pd.frames import exchange, refused
 
 SECRET = b"correct horse battery staple 42"
 KEYS, OTHER, PUBLIC = MeshKeys.derive(SECRET), MeshKeys.derive(b"another secret of 16+ bytes"), MeshKeys.derive(None)
@@ -27,22 +28,6 @@ def server():
     s = SideChannelServer("127.0.0.1", 0, lambda msg: ANSWER | {"echo": msg.get("x")}, KEYS)
     yield s
     s.close()
-
-
-def raw_exchange(port: int, frame: bytes) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
-        conn.sendall(frame)
-        chunks = []
-        try:
-            while chunk := conn.recv(1 << 16):
-                chunks.append(chunk)
-        except ConnectionResetError:  # the server closed with our bytes unread: a refusal too
-            chunks.append(b"<reset>")
-    return b"".join(chunks)
-
-
-def refused(reply: bytes) -> bool:
-    return reply.removesuffix(b"<reset>").endswith(json.dumps(side_channel.REFUSED).encode()) or reply == b"<reset>"
 
 
 def test_secret_sources_and_file_checks(tmp_path, monkeypatch):
@@ -99,7 +84,7 @@ def test_an_authenticated_request_is_answered(server):
 def test_an_unauthenticated_request_gets_one_generic_refusal(server, keys):
     with pytest.raises(ConnectionError, match="refused the request"):
         request("127.0.0.1", server.port, {"x": 7}, keys)
-    reply = raw_exchange(server.port, encode(keys, REQUEST, {"op": "handshake"}))
+    reply = exchange(server.port, encode(keys, REQUEST, {"op": "handshake"}))
     assert refused(reply) and len(reply) == side_channel.FRAME_HEADER + len(json.dumps(side_channel.REFUSED))
     assert b"secret-engine" not in reply and b"c2VjcmV0" not in reply
     assert reply[side_channel._HEAD.size : side_channel.FRAME_HEADER] == bytes(32)  # unsigned
@@ -108,20 +93,20 @@ def test_an_unauthenticated_request_gets_one_generic_refusal(server, keys):
 
 def test_replayed_stale_oversized_and_foreign_frames_are_refused(server):
     frame = encode(KEYS, REQUEST, {"x": 1})
-    answer = raw_exchange(server.port, frame)
+    answer = exchange(server.port, frame)
     assert not refused(answer) and b"secret-engine" not in answer and b"c2VjcmV0" not in answer  # encrypted
-    assert refused(raw_exchange(server.port, frame))  # the same bytes again: a replay
+    assert refused(exchange(server.port, frame))  # the same bytes again: a replay
     head = side_channel._HEAD
     stale = bytearray(encode(KEYS, REQUEST, {"x": 2}))
     magic, version, kind, length, nonce, _ = head.unpack(stale[: head.size])
     stale[: head.size] = head.pack(magic, version, kind, length, nonce, time.time() - 3600)  # MAC now wrong...
-    assert refused(raw_exchange(server.port, bytes(stale)))
+    assert refused(exchange(server.port, bytes(stale)))
     old = head.pack(magic, version, kind, length, os.urandom(16), time.time() - 3600)  # ...or right, but stale
     signed_old = old + side_channel.mac(KEYS.channel, old, b"", stale[side_channel.FRAME_HEADER :])
-    assert refused(raw_exchange(server.port, signed_old + bytes(stale[side_channel.FRAME_HEADER :])))
+    assert refused(exchange(server.port, signed_old + bytes(stale[side_channel.FRAME_HEADER :])))
     huge = head.pack(b"HKVS", 1, REQUEST, 1 << 30, os.urandom(16), time.time()) + bytes(32)
-    assert refused(raw_exchange(server.port, huge))
-    assert refused(raw_exchange(server.port, b'{"op": "handshake"}\n' + bytes(100)))  # the old protocol
+    assert refused(exchange(server.port, huge))
+    assert refused(exchange(server.port, b'{"op": "handshake"}\n' + bytes(100)))  # the old protocol
     assert server.refused_total == 5
 
 
