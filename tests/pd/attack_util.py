@@ -1,0 +1,57 @@
+"""What the attack tests need: the mesh secret and keys (the mesh itself is the `secure_mesh` fixture of
+conftest.py), prompts, and the ways attackers and mesh members talk to it."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+from hybridkv.connectors.descriptors import compat_hash
+from hybridkv.connectors.fingerprint import model_fingerprint
+from hybridkv.connectors.mesh_auth import MeshKeys
+from hybridkv.connectors.transfer_params import ParamLimits, parse_transfer_params
+from hybridkv.engine.config import DEFAULT_MODEL_DIR
+from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
+from hybridkv.kv.planner import CacheConfig, plan_kv_cache
+from tests.pd.pd_util import HELDOUT, complete, kv_state
+
+MODEL = str(DEFAULT_MODEL_DIR)
+SECRET = secrets.token_hex(16)
+KEYS, PUBLIC = MeshKeys.derive(SECRET.encode()), MeshKeys.derive(None)
+WRONG = MeshKeys.derive(b"a guess at the secret, 16+ bytes")
+VICTIM, ATTACKER = HELDOUT[50]["prompt"], HELDOUT[51]["prompt"]  # different secret codes, same shape
+
+
+def channel(p) -> int:
+    return json.loads(p.proc.args[p.proc.args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"][
+        "side_channel_port"
+    ]
+
+
+def stats(p) -> dict:
+    return kv_state(p)["connector"]
+
+
+def text(out: dict) -> str:
+    assert "choices" in out, out
+    return out["choices"][0]["text"]
+
+
+def compat_of(model: str) -> str:
+    kv = model_kv_from_hf(load_hf_config(model), block_size=16, dtype="float32")
+    plan = plan_kv_cache(kv, CacheConfig(32 << 20, 512))
+    return compat_hash(plan, model_fingerprint(model), "float32")
+
+
+def resign(params: dict, keys: MeshKeys, **changes) -> dict:
+    """`params` changed and signed again with `keys` (PUBLIC: what anyone can compute without the secret)."""
+    typed = parse_transfer_params(params, ParamLimits(len(params["remote_block_ids"]), 64, 512))
+    return replace(typed, **changes).signed(keys.params).to_json()
+
+
+def through_proxy(x, prompts: list[str], single: dict) -> None:
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda q: complete(x.url, q), prompts))
+    assert [text(o) for o in outs] == [single[q] for q in prompts]
