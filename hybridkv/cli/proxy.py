@@ -13,7 +13,7 @@ def proxy(ctx: typer.Context) -> None:
 
     try:
         opts = parse_args(ctx.args)
-        app = build_proxy(opts["--prefill"], opts["--decode"])
+        app = build_proxy(opts["--prefill"], opts["--decode"], bind_host=opts["--host"][0])
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

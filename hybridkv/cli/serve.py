@@ -76,7 +76,7 @@ def serve(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, served_model_name or Path(folder).name, api_key, enable_admin)
+    app = build_app(async_engine, served_model_name or Path(folder).name, api_key, enable_admin, host)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 class Lease:
     request_id: str
     signature: str  # of the params issued with this lease
+    num_blocks: int
     deadline: float
     hard_deadline: float
     released: bool = False
@@ -35,15 +36,18 @@ class LeaseTable:
         self._lock = threading.Lock()
         self.expired_total = 0
         self.released_total = 0
+        self.blocks = 0  # held by the leases not yet collected
 
     @staticmethod
     def new_id() -> str:
         return secrets.token_hex(16)
 
-    def grant(self, lease_id: str, request_id: str, signature: str) -> None:
+    def grant(self, lease_id: str, request_id: str, signature: str, num_blocks: int = 0) -> None:
         now = time.monotonic()
+        lease = Lease(request_id, signature, num_blocks, now + self.duration_s, now + self.max_hold_s)
         with self._lock:
-            self._leases[lease_id] = Lease(request_id, signature, now + self.duration_s, now + self.max_hold_s)
+            self._leases[lease_id] = lease
+            self.blocks += num_blocks
 
     def _held(self, lease_id: str, signature: str) -> Lease | None:
         lease = self._leases.get(lease_id)
@@ -81,6 +85,7 @@ class LeaseTable:
                     else:
                         self.expired_total += 1
                     del self._leases[lease_id]
+                    self.blocks -= lease.num_blocks
                     out.append(lease.request_id)
         return out
 

@@ -45,7 +45,7 @@ from hybridkv.connectors.pd_messages import (
     parse_request,
 )
 from hybridkv.connectors.peer_io import PeerIO
-from hybridkv.connectors.side_channel import SideChannelServer
+from hybridkv.connectors.side_channel_server import SideChannelServer
 from hybridkv.connectors.transfer_params import (
     ParamLimits,
     RemoteDecode,
@@ -75,6 +75,7 @@ POLICIES = ("recompute", "fail")
 PROGRESS_EVERY_S = 0.0005  # how often a prefill instance drives UCX while it holds leases (a peer may read)
 POLL_READS_EVERY_S = 0.00005  # how often a reader polls its reads in flight (they last ~0.1-10 ms)
 INCOMPATIBLE = "incompatible KV: the model, dtype, block size or KV groups differ"
+MAX_LEASED_FRACTION = 0.5  # of the pool that leases may hold: requests that keep their blocks for readers
 
 
 @register_connector("NixlConnector")
@@ -104,6 +105,7 @@ class NixlConnector(KVConnector):
             )
         self.leases = LeaseTable(self.lease_s, max_hold_s=2 * self.lease_s + self.timeout_s)
         self.params_refused = 0
+        self.leases_refused = 0  # finished requests not leased: leases held MAX_LEASED_FRACTION of the pool
         self._event = threading.Event()
         self._wake = self._event.set
 
@@ -163,6 +165,12 @@ class NixlConnector(KVConnector):
     def request_finished(self, req: Request, block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
         if not isinstance(req.kv_transfer_params, RemoteDecode) or not finished_ok(req):
             return False, None
+        held = sum(b != 0 for g in block_ids for b in g)
+        if self.leases.blocks + held > MAX_LEASED_FRACTION * self.plan.num_blocks:
+            self.leases_refused += 1
+            logger.warning("request %s: not leased, leases already hold %d of %d blocks; its decoder computes the "
+                           "prompt", req.request_id, self.leases.blocks, self.plan.num_blocks)  # fmt: skip
+            return False, None
         lease_id = self.leases.new_id()
         params = RemotePrefill(
             engine_id=self.identity.engine_id,
@@ -175,7 +183,7 @@ class NixlConnector(KVConnector):
             prompt_hash=prompt_hash(req.prompt_token_ids),
             expires_at=int(time.time() + self.lease_s) + 1,
         ).signed(self.keys.params)
-        self.leases.grant(lease_id, req.request_id, params.signature)
+        self.leases.grant(lease_id, req.request_id, params.signature, held)
         return True, params.to_json()
 
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -243,6 +251,8 @@ class NixlConnector(KVConnector):
         return self.reader.stats | {
             "kv_leases_held": float(len(self.leases)),
             "kv_leases_expired_total": float(self.leases.expired_total),
+            "kv_leased_blocks": float(self.leases.blocks),
+            "kv_leases_refused_total": float(self.leases_refused),
             "kv_loads_in_flight": float(len(self.reader.loads)),
             "kv_transfer_params_refused_total": float(self.params_refused),
             "kv_side_channel_refused_total": float(self.server.refused_total),

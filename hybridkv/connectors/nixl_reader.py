@@ -78,7 +78,7 @@ class NixlReader:
         self.timeout_s = timeout_s
         self.loads: dict[str, _Load] = {}
         self.peers: dict[str, Peer] = {}  # engine id -> what its handshake proved
-        self._asked: dict[str, tuple[str, int]] = {}  # engine id -> the address its handshake went to
+        self._asked: set[tuple[str, str, int]] = set()  # (engine id, host, port) of handshakes in flight
         self.stats = {
             "kv_transfer_reads": 0.0,
             "kv_transfer_bytes": 0.0,
@@ -125,8 +125,8 @@ class NixlReader:
             return
         if peer is not None:
             self._confirm(load, peer)
-        elif params.engine_id not in self._asked:
-            self._asked[params.engine_id] = (params.host, params.port)
+        elif (params.engine_id, params.host, params.port) not in self._asked:
+            self._asked.add((params.engine_id, params.host, params.port))
             self.io.handshake(params.engine_id, params.host, params.port, self.handshake)
 
     def _confirm(self, load: _Load, peer: Peer) -> None:
@@ -188,10 +188,15 @@ class NixlReader:
                 logger.warning("request %s: KV load discarded: %s", result.key, events.errors[result.key])
 
     def _on_handshake(self, result: PeerResult) -> None:
+        """The first handshake that proves an engine id fixes its address; a failed one fails only the loads that
+        named its address."""
         engine_id = result.key
-        host, port = self._asked.pop(engine_id, ("?", 0))
+        host, port = result.address or ("?", 0)
+        self._asked.discard((engine_id, host, port))
         error, reply = result.error, result.handshake
-        if result.ok and reply is not None:
+        if engine_id in self.peers:
+            error = None  # proven already (at this address or another): _confirm tells the loads apart
+        elif result.ok and reply is not None:
             if reply.engine_id != engine_id:
                 error = f"the instance at {host}:{port} is engine {reply.engine_id}, not {engine_id}"
             elif set(reply.placement.layers) != set(self.placement.layers):
@@ -207,11 +212,12 @@ class NixlReader:
         if error is not None:
             logger.warning("handshake with %s failed: %s", engine_id, error)
         for load in list(self.loads.values()):
-            if load.params.engine_id == engine_id and load.state is LoadState.HANDSHAKE:
-                if engine_id in self.peers:
-                    self._confirm(load, self.peers[engine_id])
-                else:
-                    self._fail(load, f"handshake with the prefill instance failed: {error}")
+            if load.params.engine_id != engine_id or load.state is not LoadState.HANDSHAKE:
+                continue
+            if engine_id in self.peers:
+                self._confirm(load, self.peers[engine_id])
+            elif (load.params.host, load.params.port) == (host, port):
+                self._fail(load, f"handshake with the prefill instance failed: {error}")
 
     def _start_read(self, load: _Load) -> None:
         peer = self.peers[load.params.engine_id]

@@ -3,10 +3,8 @@
 Layout. Entries live in `<root>/<dir id>/<block hash hex>-g<group>.kv`. Without a mesh secret the dir id is the
 first 32 hex digits of the compat hash (model weights, dtype, KV groups), so instances of another model or KV
 shape never see the entries; with one it is a keyed id, mac(disk key, "dir", compat hash)[:32], so instances with
-different secrets (or none) never share, serve or delete each other's entries. `root` is created 0700 if missing;
-the entry dir is created 0700, and an existing one must be a real directory (not a symlink) owned by this user
-(else a ValueError at start-up); group/other permission bits on it are removed with a warning, and a root that
-other users may write to without the sticky bit is warned about (they could swap the entry dir while we run).
+different secrets (or none) never share, serve or delete each other's entries. The entry dir is private to this
+user (`private_dir.make_private_dir`: 0700, owned by us, not a symlink).
 
 Entry format (version 2, little-endian):
 
@@ -45,6 +43,7 @@ from pathlib import Path
 
 from hybridkv.connectors.mesh_auth import MeshKeys, mac, mac_ok
 from hybridkv.connectors.offload_policy import make_policy
+from hybridkv.connectors.private_dir import make_private_dir
 from hybridkv.kv.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -53,12 +52,11 @@ Key = tuple[BlockHash, int]  # (block hash, group id)
 MAGIC = b"HKVOFF02"
 FIELDS = struct.Struct("<8s32s32sIQ")  # magic, compat hash, block hash, group, payload bytes
 HEADER = struct.Struct("<8s32s32sIQ32s")  # FIELDS, then the tag: mac(disk key, FIELDS bytes, payload)
-_NAME = re.compile(r"^([0-9a-f]{64})-g([0-9]+)\.kv$")
+_NAME = re.compile(r"([0-9a-f]{64})-g([0-9]+)\.kv")
 STALE_TMP_S = 3600.0  # a temporary file this old was left by a crashed writer
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 
 
 def dir_id(compat: str, keys: MeshKeys) -> str:
@@ -88,7 +86,7 @@ class DiskTier:
         self.authenticated = self._keys.authenticated
         self.capacity_bytes = capacity_bytes
         self.dir = Path(root) / dir_id(compat, self._keys)
-        self._make_dir(Path(root))
+        make_private_dir(Path(root), self.dir)
         self._sizes: dict[Key, int] = {}  # resident entries -> file size
         self._policy = make_policy(eviction, max(1, capacity_bytes // (HEADER.size + entry_bytes)))
         self._lock = threading.Lock()
@@ -99,50 +97,6 @@ class DiskTier:
         self.skipped = 0
         self._warned = False
         self._scan()
-
-    def _make_dir(self, root: Path) -> None:
-        """Create root (if missing) and the entry dir 0700; check an existing entry dir through an fd opened
-        without following a symlink, so that what is checked is what gets chmod'ed."""
-        try:
-            os.makedirs(root, 0o700, exist_ok=True)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(self.dir, 0o700)
-            fd = os.open(self.dir, _DIR)
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENOTDIR) and root.is_dir():
-                raise ValueError(
-                    f"the disk offload tier's directory {self.dir} is a symlink or not a directory: remove it "
-                    "(the tier recreates it) or choose another disk_path"
-                ) from e
-            raise ValueError(f"cannot use {root} for the disk offload tier: {e}") from e
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != os.geteuid():
-                raise ValueError(
-                    f"the disk offload tier's directory {self.dir} belongs to uid {st.st_uid}, not to this "
-                    f"server (uid {os.geteuid()}): remove it (another user may have planted it) or choose "
-                    "another disk_path"
-                )
-            if stat.S_IMODE(st.st_mode) & 0o077:
-                logger.warning(
-                    "KV offload: %s had mode %o (other users could read or plant entries); setting it to 700",
-                    self.dir,
-                    stat.S_IMODE(st.st_mode),
-                )
-                os.fchmod(fd, 0o700)
-        except OSError as e:
-            raise ValueError(f"cannot use {self.dir} for the disk offload tier: {e}") from e
-        finally:
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            mode = os.stat(root).st_mode
-            if mode & 0o022 and not mode & stat.S_ISVTX:
-                logger.warning(
-                    "KV offload: %s is writable by other users and not sticky: they can replace %s while we "
-                    "run; use a root only this user can write to",
-                    root,
-                    self.dir.name,
-                )
 
     def _path(self, key: Key) -> Path:
         return self.dir / f"{key[0].hex()}-g{key[1]}.kv"
@@ -157,7 +111,7 @@ class DiskTier:
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            is_tmp, m = entry.name.endswith(".tmp"), _NAME.match(entry.name)
+            is_tmp, m = entry.name.endswith(".tmp"), _NAME.fullmatch(entry.name)
             if not stat.S_ISREG(st.st_mode):
                 if m or is_tmp:
                     logger.warning("KV offload: removed %s from %s: not a regular file", entry.name, self.dir)

@@ -22,10 +22,10 @@ from hybridkv.connectors.descriptors import Placement
 MAX_METADATA = 1 << 18  # bytes of NIXL agent metadata (a few hundred bytes per registered buffer)
 MAX_LAYERS = 4096
 MAX_NUM_BLOCKS = 1 << 31
-_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_HEX32 = re.compile(r"^[0-9a-f]{32}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_LAYOUT = re.compile(r"^[a-z_-]{1,32}$")
+_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_LAYOUT = re.compile(r"[a-z_-]{1,32}")
 
 
 class Op(str, Enum):
@@ -138,7 +138,7 @@ def _keys(msg: Mapping[str, Any], allowed: set[str]) -> None:
 
 def _match(msg: Mapping[str, Any], key: str, pattern: re.Pattern[str]) -> str:
     value = msg.get(key)
-    if not isinstance(value, str) or not pattern.match(value):
+    if not isinstance(value, str) or not pattern.fullmatch(value):
         raise ValueError(f"{key}: malformed")
     return value
 

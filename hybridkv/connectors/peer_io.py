@@ -46,6 +46,7 @@ class PeerResult:
     ok: bool
     error: str | None = None  # why the peer could not be asked; None with ok=False: the lease had ended
     handshake: HandshakeReply | None = None
+    address: tuple[str, int] | None = None  # of a HANDSHAKE: where it was asked
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Target:
     signature: str
 
 
-Job = tuple[Callable[[], PeerResult | None], ResultKind, str]  # (run, kind and key to post its failure under)
+Job = tuple[Callable[[], PeerResult | None], ResultKind, str, tuple[str, int] | None]  # run; how to post its failure
 
 
 class PeerIO:
@@ -70,7 +71,7 @@ class PeerIO:
         self.timeout_s = timeout_s
         self._results: list[PeerResult] = []
         self._tracked: dict[str, Target] = {}  # request -> its lease at the peer
-        self._handshaking: set[str] = set()
+        self._handshaking: set[tuple[str, str, int]] = set()  # (engine id, host, port) asked and not answered
         self._workers: dict[tuple[str, int], queue.SimpleQueue[Job | None]] = {}
         self._lock = threading.Lock()
         self._stopped = False
@@ -81,23 +82,25 @@ class PeerIO:
             self._tracked[request_id] = target
 
     def handshake(self, engine_id: str, host: str, port: int, message: HandshakeRequest) -> None:
-        """Posts a HANDSHAKE result for `engine_id`. One in flight per engine."""
+        """Posts a HANDSHAKE result for `engine_id` at (host, port). One in flight per engine and address: a
+        request naming a silent address delays no handshake at another."""
+        asked = (engine_id, host, port)
         with self._lock:
-            if engine_id in self._handshaking:
+            if asked in self._handshaking:
                 return
-            self._handshaking.add(engine_id)
+            self._handshaking.add(asked)
 
         def run() -> PeerResult:
             try:
                 reply = parse_handshake_reply(request(host, port, message.to_json(), self.keys, self.timeout_s))
             finally:
                 with self._lock:
-                    self._handshaking.discard(engine_id)
+                    self._handshaking.discard(asked)
             if isinstance(reply, HandshakeReply):
-                return PeerResult(ResultKind.HANDSHAKE, engine_id, True, handshake=reply)
-            return PeerResult(ResultKind.HANDSHAKE, engine_id, False, reply.error)
+                return PeerResult(ResultKind.HANDSHAKE, engine_id, True, handshake=reply, address=(host, port))
+            return PeerResult(ResultKind.HANDSHAKE, engine_id, False, reply.error, address=(host, port))
 
-        self._submit(host, port, (run, ResultKind.HANDSHAKE, engine_id))
+        self._submit(host, port, (run, ResultKind.HANDSHAKE, engine_id, (host, port)))
 
     def confirm(self, request_id: str) -> None:
         """Renew a tracked request's lease now; posts a LEASE result. A read may start only once the lease is
@@ -126,7 +129,7 @@ class PeerIO:
             held = self._lease_op(target, op)
             return PeerResult(kind, request_id, held) if report else None
 
-        self._submit(target.host, target.port, (run, kind, request_id if report else ""))
+        self._submit(target.host, target.port, (run, kind, request_id if report else "", None))
 
     def _lease_op(self, target: Target, op: Op) -> bool:
         message = LeaseRequest(op, target.lease_id, target.signature).to_json()
@@ -165,9 +168,12 @@ class PeerIO:
         self._fail(job, f"too many prefill instances in flight (more than {MAX_PEERS})")
 
     def _fail(self, job: Job, reason: str) -> None:
-        _, kind, key = job
+        _, kind, key, address = job
+        if kind is ResultKind.HANDSHAKE:
+            with self._lock:
+                self._handshaking.discard((key, *address))  # type: ignore[misc]
         if key:
-            self._post(PeerResult(kind, key, False, reason))
+            self._post(PeerResult(kind, key, False, reason, address=address))
 
     def _work(self, host: str, port: int, jobs: queue.SimpleQueue[Job | None]) -> None:
         idle = 0.0

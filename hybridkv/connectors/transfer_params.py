@@ -25,11 +25,11 @@ from hybridkv.connectors.mesh_auth import mac, mac_ok
 
 EXPIRY_SLACK_S = 5  # clock difference tolerated between the prefill instance and the decoder
 MAX_BLOCK_ID = (1 << 31) - 1
-_ENGINE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
-_HOST = re.compile(r"^[A-Za-z0-9.:_-]{1,253}$")
-_HEX32 = re.compile(r"^[0-9a-f]{32}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_ENGINE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+_HOST = re.compile(r"[A-Za-z0-9.:_-]{1,253}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 # vLLM's proxies send these to a prefill instance, unset; they mean nothing there.
 _UNSET_ON_PREFILL = ("do_remote_prefill", "remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
                      "remote_request_id")  # fmt: skip
@@ -158,7 +158,7 @@ def _field(raw: Mapping[str, Any], key: str) -> Any:
 
 def _text(raw: Mapping[str, Any], key: str, pattern: re.Pattern[str]) -> str:
     value = _field(raw, key)
-    if not isinstance(value, str) or not pattern.match(value):
+    if not isinstance(value, str) or not pattern.fullmatch(value):
         raise ValueError(f"kv_transfer_params.{key}: malformed")
     return value
 

@@ -1,8 +1,7 @@
 """OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health,
 /metrics; /admin/kv with --enable-admin; /kv_transfer/release for PD proxies.
 
-POST bodies must be `application/json`: a browser cannot send that cross-origin without a preflight this server
-never grants, so a web page the operator opens cannot drive it."""
+What every request must pass first (API key, Host on loopback, JSON bodies) is in `guards.py`."""
 
 from __future__ import annotations
 
@@ -21,28 +20,29 @@ from hybridkv.connectors.base import TransferRefused
 from hybridkv.runner.sampler import TokenLogprob
 from hybridkv.serve.async_engine import AsyncEngine, Update
 from hybridkv.serve.chat import render_chat
+from hybridkv.serve.guards import error_response, guard, require_json
 from hybridkv.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 
 DEFAULT_MAX_TOKENS = 16
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, enable_admin: bool = False) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    model_name: str,
+    api_key: str | None = None,
+    enable_admin: bool = False,
+    bind_host: str | None = None,
+) -> FastAPI:
+    """`bind_host`: the address the server listens on (a loopback one turns the Host check on)."""
     app = FastAPI(title="hybridkv")
-    if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
+    guard(app, api_key, bind_host)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return _error(e)
+        return error_response(e)
 
     async def body(request: Request) -> Any:
-        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if media != "application/json":
-            raise APIError(415, f"Content-Type must be application/json, got {media or 'none'!r}")
-        try:
-            return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from e
+        return await require_json(request)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -110,6 +110,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         ids = [prompt_ids(p) for p in prompts]
         params = req.sampling_params(DEFAULT_MAX_TOKENS)
         kv_params = transfer_params(req.kv_transfer_params)
+        if kv_params is not None and len(ids) > 1:  # one lease per request: the others would stay pinned
+            raise APIError(400, "kv_transfer_params take one prompt: send a batch's prompts as separate requests",
+                           param="kv_transfer_params")  # fmt: skip
         meta = _meta("cmpl", "text_completion", model_name)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
@@ -149,26 +152,6 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         return meta | {"choices": [choice], "usage": _usage(counts)} | extra
 
     return app
-
-
-class BearerAuth:
-    """Every route but /health needs `Authorization: Bearer <key>`. Plain ASGI: streamed responses pass through
-    untouched (an `@app.middleware("http")` function would copy every SSE chunk through an extra task)."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        guarded = scope["type"] == "http" and scope["path"] != "/health"
-        if guarded and dict(scope["headers"]).get(b"authorization") != self.expected:
-            await _error(APIError(401, "missing or wrong API key", "authentication_error"))(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
-def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
 
 
 def _meta(prefix: str, obj: str, model: str) -> dict[str, Any]:

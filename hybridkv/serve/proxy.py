@@ -20,6 +20,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from hybridkv.serve.guards import error_response, guard, require_json
 from hybridkv.serve.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 PREFILL_DROPS = ("stream", "stream_options", "min_tokens", "logprobs", "top_logprobs", "max_completion_tokens")
 
 
-def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
+def build_proxy(prefill: list[str], decode: list[str], bind_host: str | None = None) -> FastAPI:
     if not prefill or not decode:
         raise ValueError("the proxy needs at least one --prefill and one --decode URL")
     for url in prefill + decode:
@@ -42,6 +43,7 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
         await client.aclose()
 
     app = FastAPI(title="hybridkv proxy", lifespan=lifespan)
+    guard(app, None, bind_host)
     prefills, decodes = itertools.cycle(prefill), itertools.cycle(decode)
 
     @app.get("/health")
@@ -60,7 +62,7 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
         try:
             r = await client.get(f"{decode[0]}/v1/models", headers=headers, timeout=10)
         except httpx.HTTPError as e:
-            return _error(APIError(502, f"decode instance {decode[0]} unreachable: {e}", "server_error"))
+            return error_response(APIError(502, f"decode instance {decode[0]} unreachable: {e}", "server_error"))
         return JSONResponse(_json(r), status_code=r.status_code)
 
     @app.post("/v1/completions")
@@ -73,11 +75,11 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
 
     async def relay(request: Request, route: str):
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError("expected a JSON object")
-        except ValueError as e:
-            return _error(APIError(400, f"the request body is not valid JSON: {e}"))
+            body = await require_json(request)
+        except APIError as e:
+            return error_response(e)
+        if not isinstance(body, dict):
+            return error_response(APIError(400, "the request body must be a JSON object"))
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         p_url, d_url = next(prefills), next(decodes)
         first = {k: v for k, v in body.items() if k not in PREFILL_DROPS}
@@ -85,20 +87,20 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
         try:
             r = await client.post(p_url + route, json=first, headers=headers)
         except httpx.HTTPError as e:
-            return _error(APIError(502, f"prefill instance {p_url} unreachable: {e}", "server_error"))
+            return error_response(APIError(502, f"prefill instance {p_url} unreachable: {e}", "server_error"))
         if r.status_code != 200:
             return JSONResponse(_json(r), status_code=r.status_code)
         params = _json(r).get("kv_transfer_params")
         if await request.is_disconnected():
             await release(p_url, params, headers)
-            return _error(APIError(499, "client closed the request", "client_closed"))
+            return error_response(APIError(499, "client closed the request", "client_closed"))
         second = body | ({"kv_transfer_params": params} if params else {})
         if not body.get("stream"):
             try:
                 r = await client.post(d_url + route, json=second, headers=headers)
             except httpx.HTTPError as e:
                 await release(p_url, params, headers)
-                return _error(APIError(502, f"decode instance {d_url} unreachable: {e}", "server_error"))
+                return error_response(APIError(502, f"decode instance {d_url} unreachable: {e}", "server_error"))
             if r.status_code != 200:
                 await release(p_url, params, headers)  # the decoder refused it: nobody will read the prefill blocks
             return JSONResponse(_json(r), status_code=r.status_code)
@@ -107,7 +109,7 @@ def build_proxy(prefill: list[str], decode: list[str]) -> FastAPI:
             response = await client.send(upstream, stream=True)
         except httpx.HTTPError as e:
             await release(p_url, params, headers)
-            return _error(APIError(502, f"decode instance {d_url} unreachable: {e}", "server_error"))
+            return error_response(APIError(502, f"decode instance {d_url} unreachable: {e}", "server_error"))
         if response.status_code != 200:
             content = await response.aread()
             await response.aclose()
@@ -143,7 +145,3 @@ def _json(r: httpx.Response) -> dict[str, Any]:
     except ValueError:
         return {"error": {"message": r.text[:500], "type": "server_error", "code": r.status_code}}
     return data if isinstance(data, dict) else {"data": data}
-
-
-def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)

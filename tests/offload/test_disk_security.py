@@ -252,3 +252,21 @@ def test_disk_hits_need_the_same_secret(tmp_path, monkeypatch):
     check_idle(third)
     assert third.engine.connector.disk.dir != first.engine.connector.disk.dir
     assert sorted(os.listdir(first.engine.connector.disk.dir)) == kept  # secret A's entries are left alone
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hand a directory to another user")
+def test_a_root_another_user_owns_or_may_write_is_an_error(tmp_path):
+    """Whoever may rename entries in a directory above the entry dir can swap it for one of their own while we
+    run: the tier refuses such a root at start-up (a sticky directory such as /tmp is fine)."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(ValueError, match="belongs to uid 65534"):
+        DiskTier(theirs / "kv", COMPAT, 1 << 20, keys=A)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match=r"other users may write to \(mode 777, not sticky\)"):
+        DiskTier(shared / "kv", COMPAT, 1 << 20, keys=A)
+    shared.chmod(0o1777)
+    assert DiskTier(shared / "kv", COMPAT, 1 << 20, keys=A).write(key(0), payload(0))

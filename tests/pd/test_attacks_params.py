@@ -16,6 +16,7 @@ import httpx
 from hybridkv.connectors import side_channel
 from hybridkv.connectors.fingerprint import model_fingerprint
 from hybridkv.connectors.side_channel import REPLY, REQUEST
+from hybridkv.connectors.side_channel_server import SideChannelServer
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from tests.pd.attack_util import (
     ATTACKER,
@@ -103,10 +104,10 @@ def test_params_cannot_redirect_a_known_engine_and_a_tampering_relay_fails_its_h
         relay.sock.close()
 
 
-def deep_json_peer() -> side_channel.SideChannelServer:
+def deep_json_peer() -> SideChannelServer:
     """A mesh member (it has the secret) that answers every request with JSON nested 200 deep."""
     nested = json.loads("[" * 200 + "]" * 200)
-    return side_channel.SideChannelServer("127.0.0.1", 0, lambda msg: {"ok": True, "x": nested}, KEYS)
+    return SideChannelServer("127.0.0.1", 0, lambda msg: {"ok": True, "x": nested}, KEYS)
 
 
 def test_a_bad_port_or_a_deep_json_peer_never_wedges_pd(secure_mesh, secure_single):

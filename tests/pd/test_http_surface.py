@@ -4,7 +4,6 @@ connector thread has died."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import pytest
@@ -21,12 +20,12 @@ from tests.procs import free_port
 PROMPT = {"prompt": "the quick brown fox " * 6, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
 
 
-def instance(folder, policy: str = "recompute", **app_options) -> tuple[AsyncEngine, TestClient]:
+def instance(folder, policy: str = "recompute", kv_cache_memory: str = "8MiB") -> tuple[AsyncEngine, TestClient]:
     extra = {"side_channel_port": free_port(), "kv_lease_s": 5, "kv_load_failure_policy": policy}
     ktc = KVTransferConfig("NixlConnector", kv_connector_extra_config=extra)
-    config = EngineConfig(model=str(folder), kv_cache_memory="8MiB", max_model_len=256, kv_transfer_config=ktc)
+    config = EngineConfig(model=str(folder), kv_cache_memory=kv_cache_memory, max_model_len=256, kv_transfer_config=ktc)
     engine = AsyncEngine(LLMEngine(config))
-    return engine, TestClient(build_app(engine, "tiny", **app_options))
+    return engine, TestClient(build_app(engine, "tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +34,7 @@ def pair(tiny_gemma4):
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("HYBRIDKV_KV_SECRET", raising=False)
         (pe, prefill), (de, decode) = instance(tiny_gemma4), instance(tiny_gemma4, "fail")
-    yield prefill, decode
+    yield prefill, decode, pe
     pe.stop()
     de.stop()
 
@@ -51,12 +50,52 @@ def issued(prefill: TestClient) -> dict:
 )
 def test_only_json_bodies_are_taken(pair, headers):
     """A web page can POST text/plain or a form cross-origin without a preflight; it cannot send JSON."""
-    prefill, _ = pair
+    prefill = pair[0]
     r = prefill.post("/v1/completions", content=json.dumps(PROMPT), headers=headers)
     assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
     utf8 = {"content-type": "application/json; charset=utf-8"}
     ok = prefill.post("/v1/completions", content=json.dumps(PROMPT), headers=utf8)
     assert ok.status_code == 200
+
+
+def test_hostile_bodies_and_host_names_are_refused_before_any_route(pair):
+    prefill = pair[0]
+    json_type = {"content-type": "application/json"}
+    for body in (b"[" * 100_000, b'{"prompt": ' + b"9" * 5000 + b"}", b"\xff\xfe"):
+        r = prefill.post("/v1/completions", content=body, headers=json_type)
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    loop_bound = TestClient(build_app(pair[2], "tiny", bind_host="127.0.0.1"))
+    assert loop_bound.get("/health", headers={"host": "127.0.0.1:8000"}).status_code == 200
+    r = loop_bound.get("/health", headers={"host": "rebound.example:8000"})
+    assert r.status_code == 421 and "loopback" in r.json()["error"]["message"]
+
+
+def test_a_batch_with_kv_transfer_params_is_refused(pair):
+    """One lease per request: the other prompts' blocks would stay leased and unreachable."""
+    prefill = pair[0]
+    body = PROMPT | {"prompt": ["one prompt", "another"], "kv_transfer_params": {"do_remote_decode": True}}
+    r = prefill.post("/v1/completions", json=body)
+    assert r.status_code == 400 and "one prompt" in r.json()["error"]["message"]
+
+
+def test_leases_hold_at_most_half_the_pool(tiny_gemma4):
+    engine, client = instance(tiny_gemma4, kv_cache_memory="1MiB")
+    try:
+        connector, pool = engine.engine.connector, engine.engine.plan.num_blocks
+        issued_params, refused = [], 0
+        for i in range(pool):
+            out = client.post("/v1/completions", json=PROMPT | {"prompt": f"{i} " + PROMPT["prompt"], "max_tokens": 1,
+                              "kv_transfer_params": {"do_remote_decode": True}}).json()  # fmt: skip
+            if "kv_transfer_params" not in out:
+                refused += 1
+                break
+            issued_params.append(out["kv_transfer_params"])
+        assert refused and connector.metrics()["kv_leases_refused_total"] == 1
+        assert 0.4 * pool <= connector.leases.blocks <= 0.5 * pool
+        for params in issued_params:
+            assert client.post("/kv_transfer/release", json={"kv_transfer_params": params}).json()["released"]
+    finally:
+        engine.stop()
 
 
 def test_admin_is_off_unless_asked_and_docs_need_the_key(tiny_gemma4):
@@ -73,7 +112,7 @@ def test_admin_is_off_unless_asked_and_docs_need_the_key(tiny_gemma4):
 
 
 def test_bad_params_are_400s_naming_the_field_and_forged_ones_403_under_fail(pair):
-    prefill, decode = pair
+    prefill, decode, _ = pair
     params = issued(prefill)
     for field, value in (("remote_port", 2**63), ("remote_block_ids", [["a"]]), ("lease_id", 7)):
         r = decode.post("/v1/completions", json=PROMPT | {"kv_transfer_params": params | {field: value}})
@@ -94,7 +133,7 @@ def test_without_a_secret_a_decoder_reads_only_from_this_host(pair):
     from hybridkv.connectors.mesh_auth import MeshKeys
     from hybridkv.connectors.transfer_params import ParamLimits, parse_transfer_params
 
-    prefill, decode = pair
+    prefill, decode, _ = pair
     params = issued(prefill)
     typed = parse_transfer_params(params, ParamLimits(len(params["remote_block_ids"]), 64, 256))
     remote = replace(typed, host="10.1.2.3").signed(MeshKeys.derive(None).params).to_json()
@@ -103,7 +142,7 @@ def test_without_a_secret_a_decoder_reads_only_from_this_host(pair):
 
 
 def test_the_release_route_frees_only_params_this_instance_issued(pair):
-    prefill, decode = pair
+    prefill, decode, _ = pair
     params = issued(prefill)
     assert decode.post("/kv_transfer/release", json={"kv_transfer_params": params}).json() == {"released": False}
     forged = params | {"lease_id": "0" * 32}
@@ -119,7 +158,7 @@ def test_health_names_a_connector_thread_that_died(tiny_gemma4):
     try:
         assert client.get("/health").status_code == 200
         server = engine.engine.connector.server
-        server.sock.shutdown(socket.SHUT_RDWR)  # the listener breaks without close() being called: its thread ends
+        server._loop.call_soon_threadsafe(server._loop.stop)  # its loop ends without close() being called
         deadline = time.monotonic() + 5
         while server.alive and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -8,7 +8,8 @@ import pytest
 from hybridkv.connectors.base import KVTransferConfig
 from hybridkv.connectors.leases import LeaseTable
 from hybridkv.connectors.mesh_auth import MeshKeys
-from hybridkv.connectors.side_channel import SideChannelServer, request
+from hybridkv.connectors.side_channel import request
+from hybridkv.connectors.side_channel_server import SideChannelServer
 
 KEYS = MeshKeys.derive(None)
 SIG_A, SIG_B = "a" * 64, "b" * 64

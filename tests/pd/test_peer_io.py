@@ -14,7 +14,7 @@ from hybridkv.connectors import peer_io
 from hybridkv.connectors.mesh_auth import MeshKeys
 from hybridkv.connectors.pd_messages import HandshakeRequest
 from hybridkv.connectors.peer_io import PeerIO, ResultKind, Target
-from hybridkv.connectors.side_channel import SideChannelServer
+from hybridkv.connectors.side_channel_server import SideChannelServer
 
 KEYS = MeshKeys.derive(b"peer io test secret, 16+ bytes")
 

@@ -23,3 +23,20 @@ def test_health_and_models_report_instances_that_are_down():
         assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
         r = client.post("/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 502 and "prefill instance" in r.json()["error"]["message"]
+
+
+def test_the_proxy_takes_json_only_and_on_loopback_only_loopback_host_names():
+    """A web page must not drive the mesh through the proxy: no cross-origin simple POSTs, no DNS rebinding."""
+    down = f"http://127.0.0.1:{free_port()}"
+    app = build_proxy([down], [down], bind_host="127.0.0.1")
+    with TestClient(app, base_url="http://127.0.0.1:8192") as client:
+        for headers in ({"content-type": "text/plain"}, {}):
+            r = client.post("/v1/completions", content=b'{"prompt": "hi"}', headers=headers)
+            assert r.status_code == 415, headers
+        assert client.post("/v1/completions", content=b"[" * 100_000, headers={"content-type": "application/json"})
+        for host in ("evil.example", "evil.example:8192", "10.0.0.1"):
+            assert client.get("/health", headers={"host": host}).status_code == 421, host
+        for host in ("localhost:8192", "127.0.0.1", "[::1]:8192"):
+            assert client.get("/health", headers={"host": host}).status_code == 503, host  # passed the guard
+    with TestClient(build_proxy([down], [down], bind_host="0.0.0.0")) as client:  # an operator who exposes it
+        assert client.get("/health", headers={"host": "kv.example.com"}).status_code == 503

@@ -3,12 +3,13 @@ outlives kv_transfer_timeout_s is cancelled; while NIXL refuses to cancel, the b
 reported), and they are handed back the moment NIXL lets go. A lease that ended before the read fails at once."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from hybridkv.connectors.base import ConnectorEvents
 from hybridkv.connectors.descriptors import Placement
 from hybridkv.connectors.nixl_reader import NixlReader, Peer
-from hybridkv.connectors.pd_messages import HandshakeRequest
+from hybridkv.connectors.pd_messages import HandshakeReply, HandshakeRequest
 from hybridkv.connectors.peer_io import PeerResult, ResultKind
 from hybridkv.connectors.transfer_params import RemotePrefill, prompt_hash
 from hybridkv.engine.request import Request
@@ -25,6 +26,9 @@ class FakeTransport:
         self.current, self.refusals, self.released = state, refusals, 0
 
     reads = 0
+
+    def add_peer(self, metadata: bytes) -> str:
+        return "agent"
 
     def read(self, descs, agent):
         self.reads += 1
@@ -128,24 +132,43 @@ def test_a_lease_that_already_ended_fails_fast_without_a_read():
 
 def test_a_handshake_answered_by_another_engine_fails_the_load_and_caches_nothing():
     """A relay or a restarted instance answering for an engine id it is not: the peer is not learned."""
-    from dataclasses import replace
-
-    from hybridkv.connectors.pd_messages import HandshakeReply
-
     transport, io = FakeTransport("DONE", refusals=0), FakeIO()
     r = reader(transport, io, timeout_s=60.0)
     known = r.peers.pop("prefill-0")
     req = start(r)
     assert r.loads[req.request_id].state.value == "handshake"
     impostor = HandshakeReply("someone-else", b"meta", known.placement, known.num_blocks, "packed")
-    io.posted.append(PeerResult(ResultKind.HANDSHAKE, "prefill-0", True, handshake=impostor))
+    io.posted.append(PeerResult(ResultKind.HANDSHAKE, "prefill-0", True, handshake=impostor, address=("127.0.0.1", 1)))
     events = ConnectorEvents()
     r.poll(events)
     assert events.loaded == {"r-1": False} and "is engine someone-else" in events.errors["r-1"]
     assert "prefill-0" not in r.peers and transport.reads == 0
     other_layers = replace(impostor, engine_id="prefill-0", placement=Placement({0: (1, 2)}))
     start(r)
-    io.posted.append(PeerResult(ResultKind.HANDSHAKE, "prefill-0", True, handshake=other_layers))
+    io.posted.append(
+        PeerResult(ResultKind.HANDSHAKE, "prefill-0", True, handshake=other_layers, address=("127.0.0.1", 1))
+    )
     events = ConnectorEvents()
     r.poll(events)
     assert "placement names other layers" in events.errors["r-1"] and "prefill-0" not in r.peers
+
+
+def test_a_failed_handshake_fails_only_the_loads_that_named_its_address():
+    """Without a secret anyone can name a real engine id at a silent port: that must not fail its real loads."""
+    transport, io = FakeTransport("DONE", refusals=0), FakeIO()
+    r = reader(transport, io, timeout_s=60.0)
+    known = r.peers.pop("prefill-0")
+    genuine = start(r)
+    forged = Request("r-2", genuine.prompt_token_ids, SamplingParams(), 16)
+    forged.kv_transfer_params = replace(genuine.kv_transfer_params, port=9)
+    forged.num_external_tokens = r.num_external_tokens(forged, 0)
+    r.start_load(forged, [[9, 10, 11, 12] for _ in r.plan.groups], 0)
+    assert r._asked == {("prefill-0", "127.0.0.1", 1), ("prefill-0", "127.0.0.1", 9)}  # two handshakes, not one
+    io.posted.append(PeerResult(ResultKind.HANDSHAKE, "prefill-0", False, "timed out", address=("127.0.0.1", 9)))
+    events = ConnectorEvents()
+    r.poll(events)
+    assert events.loaded == {"r-2": False} and r.loads["r-1"].state.value == "handshake"
+    reply = HandshakeReply("prefill-0", b"meta", known.placement, known.num_blocks, "packed")
+    io.posted.append(PeerResult(ResultKind.HANDSHAKE, "prefill-0", True, handshake=reply, address=("127.0.0.1", 1)))
+    r.poll(ConnectorEvents())
+    assert r.peers["prefill-0"].port == 1 and r.loads["r-1"].state.value == "confirming"

@@ -158,3 +158,15 @@ def test_side_channel_messages_parse_strictly():
                 {"op": "handshake", "compat": "a" * 64}):  # fmt: skip
         with pytest.raises(ValueError):
             parse_request(bad)
+
+
+def test_hex_fields_take_no_trailing_newline_or_whitespace():
+    """`$` would match before a final newline and bytes.fromhex skips spaces: a signature must be exactly 64
+    lowercase hex digits, or one params set would have many accepted spellings."""
+    params = issued().to_json()
+    for field in ("signature", "lease_id", "prompt_hash"):
+        for suffix in ("\n", " ", "\t"):
+            with pytest.raises(ValueError, match=f"{field}: malformed"):
+                parse_transfer_params(params | {field: params[field] + suffix}, LIMITS)
+    with pytest.raises(ValueError, match="signature: malformed"):
+        parse_transfer_params(params | {"signature": params["signature"].upper()}, LIMITS)

@@ -1,0 +1,92 @@
+"""What the HTTP servers (the engine's and the PD proxy's) check before a request reaches a route.
+
+- `BearerAuth`: with an API key, every route but /health needs `Authorization: Bearer <key>` (constant-time).
+- `LoopbackHosts`: a server bound to loopback answers only requests whose Host header names loopback, so a web
+  page whose DNS name is rebound to 127.0.0.1 cannot talk to it as "same origin".
+- `require_json`: POST bodies must be `application/json`, which a browser cannot send cross-origin without a
+  preflight these servers never grant.
+
+Both middlewares are plain ASGI: streamed responses pass through untouched (an `@app.middleware("http")` function
+would copy every SSE chunk through an extra task).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from hybridkv.serve.protocol import APIError
+
+
+def hostname(header: str) -> str:
+    """The host part of a Host header: "[::1]:8000" -> "::1", "localhost:8000" -> "localhost"."""
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def is_loopback_host(host: str) -> bool:
+    name = host.strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+class BearerAuth:
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await error_response(APIError(401, "missing or wrong API key", "authentication_error"))(
+                    scope, receive, send
+                )
+                return
+        await self.app(scope, receive, send)
+
+
+class LoopbackHosts:
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            if not is_loopback_host(hostname(host)):
+                message = "this server listens on loopback only: the Host header must name localhost or 127.0.0.1"
+                await error_response(APIError(421, message, "misdirected_request"))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def guard(app: Any, api_key: str | None, bind_host: str | None) -> None:
+    """Install the guards that apply: the API key if set, the Host check if the server binds loopback."""
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    if bind_host is not None and is_loopback_host(bind_host):
+        app.add_middleware(LoopbackHosts)
+
+
+async def require_json(request: Request) -> Any:
+    """The parsed JSON body; 415 for another media type, 400 for a body that does not parse."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got {media or 'none'!r}")
+    try:
+        return await request.json()
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a huge integer, nesting past the stack
+        raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from e
