@@ -92,6 +92,15 @@ def test_an_unauthenticated_request_gets_one_generic_refusal(server, keys):
     assert server.refused_total == 2
 
 
+def test_a_frame_whose_mac_was_altered_is_refused_though_it_decrypts(server):
+    """The MAC is checked on its own: a member's frame with one MAC bit flipped (its payload still decrypts to a
+    valid request) is refused like a stranger's."""
+    frame = bytearray(encode(KEYS, REQUEST, {"x": 5}))
+    frame[side_channel._HEAD.size] ^= 1
+    assert refused(exchange(server.port, bytes(frame)))
+    assert server.refused_total == 1
+
+
 def test_replayed_stale_oversized_and_foreign_frames_are_refused(server):
     frame = encode(KEYS, REQUEST, {"x": 1})
     answer = exchange(server.port, frame)

@@ -172,3 +172,15 @@ def test_a_failed_handshake_fails_only_the_loads_that_named_its_address():
     io.posted.append(PeerResult(ResultKind.HANDSHAKE, "prefill-0", True, handshake=reply, address=("127.0.0.1", 1)))
     r.poll(ConnectorEvents())
     assert r.peers["prefill-0"].port == 1 and r.loads["r-1"].state.value == "confirming"
+
+
+def test_remote_block_ids_outside_the_peers_pool_fail_without_a_read():
+    """The handshake told the pool's size: ids past it (a stale or forged table) never become descriptors."""
+    transport, io = FakeTransport("DONE", refusals=0), FakeIO()
+    r = reader(transport, io, timeout_s=60.0)
+    r.peers["prefill-0"] = replace(r.peers["prefill-0"], num_blocks=4)  # ids 1..4 in start(): 4 is outside
+    start(r)
+    events = ConnectorEvents()
+    r.poll(events)
+    assert events.loaded == {"r-1": False} and "outside the peer's pool of 4" in events.errors["r-1"]
+    assert transport.reads == 0 and io.posted == [] and r.stats["kv_transfer_failures"] == 1
