@@ -22,7 +22,8 @@ from tests.offload.test_offload_e2e import embedded_prompts
 from tests.procs import Process
 
 PROMPTS = embedded_prompts()
-ENGINE = ["--threads", "1", "--kv-cache-memory", "4MiB", "--max-model-len", "512", "--kv-offload-cpu", "8MiB"]
+ENGINE = ["--threads", "1", "--kv-cache-memory", "4MiB", "--max-model-len", "512", "--kv-offload-cpu", "8MiB",
+          "--enable-admin"]  # fmt: skip
 
 
 def serve(model: Path, disk: Path) -> Process:
@@ -38,6 +39,12 @@ def run(p: Process) -> list[str]:
 def counters(p: Process) -> dict[str, float]:
     lines = httpx.get(f"{p.url}/metrics", timeout=10).text.splitlines()
     return {ln.split()[0]: float(ln.split()[1]) for ln in lines if ln.startswith("hybridkv_kv_offload_")}
+
+
+def assert_clean(p: Process) -> None:
+    """No block held, the integrity check passing (stores and loads are over once the requests answered)."""
+    state = httpx.get(f"{p.url}/admin/kv", timeout=10).json()
+    assert state["integrity"] == "ok" and state["blocks_used"] == 0, state
 
 
 def single(model: Path) -> list[str]:
@@ -96,6 +103,7 @@ def test_special_files_under_entry_names_are_removed_not_waited_on(tmp_path, sec
         assert c["hybridkv_kv_offload_corrupt_entries_total"] == 2  # both refused at start-up, never opened
         assert c["hybridkv_kv_offload_disk_hit_blocks_total"] > 0  # the untouched entries were served
         assert not fifo.is_fifo() and not link.is_symlink()
+        assert_clean(second)
     finally:
         second.stop()
 
@@ -115,6 +123,7 @@ def test_entries_forged_without_the_secret_are_refused(tmp_path, secret):
         assert run(second) == expected
         c = counters(second)
         assert c["hybridkv_kv_offload_corrupt_entries_total"] >= 1 and c["hybridkv_kv_offload_load_failures_total"] >= 1
+        assert_clean(second)
     finally:
         second.stop()
 
@@ -128,5 +137,6 @@ def test_a_checkpoint_with_one_changed_weight_shares_no_disk_entries(tmp_path, s
         c = counters(other)
         assert c["hybridkv_kv_offload_disk_hit_blocks_total"] == 0 and c["hybridkv_kv_offload_hits_total"] == 0
         assert len([d for d in disk.iterdir() if d.is_dir()]) == 2  # its own directory
+        assert_clean(other)
     finally:
         other.stop()
