@@ -52,9 +52,9 @@ def auth_overhead(folder: Path, length: int, repeats: int, rng: random.Random) -
             p, d = serve(folder, "packed", length + 64, path), serve(folder, "packed", length + 64, path)
             meshes[name] = (p, d, Process("proxy", "--prefill", p.url, "--decode", d.url))
         times: dict[str, list[float]] = {name: [] for name in meshes}
-        for _ in range(repeats + 1):  # the first round warms up (handshakes)
-            for name, (_, _, x) in meshes.items():
-                times[name].append(ttft(x.url, [rng.randrange(4, 512) for _ in range(length)]))
+        for i in range(repeats + 1):  # the first round warms up (handshakes); who goes first alternates
+            for name in list(meshes)[:: 1 if i % 2 else -1]:
+                times[name].append(ttft(meshes[name][2].url, [rng.randrange(4, 512) for _ in range(length)]))
         reads = {name: connector(d)["kv_transfer_reads"] for name, (_, d, _) in meshes.items()}
         failures = {name: connector(d)["kv_transfer_failures"] for name, (_, d, _) in meshes.items()}
     finally:
