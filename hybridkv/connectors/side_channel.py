@@ -63,15 +63,21 @@ def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
     return bytes(buf)
 
 
-def read_frame(conn: socket.socket, deadline: float, kind: int) -> tuple[bytes, bytes, float, bytes, bytes]:
-    """(header, nonce, timestamp, MAC, payload) of a frame of `kind`, read before `deadline`; nothing verified."""
-    raw = _recv_exact(conn, FRAME_HEADER, deadline)
+def parse_header(raw: bytes, kind: int) -> tuple[bytes, bytes, float, bytes, int]:
+    """(header fields, nonce, timestamp, MAC, payload length) of a frame's first FRAME_HEADER bytes; the kind,
+    version and length are checked, nothing else."""
     head, tag = raw[: _HEAD.size], raw[_HEAD.size :]
     magic, version, got_kind, length, nonce, ts = _HEAD.unpack(head)
     if magic != MAGIC or version != VERSION or got_kind != kind:
-        raise ProtocolError("not a hybridkv side-channel frame of this version")
+        raise ProtocolError("not a hybridkv side-channel frame of this kind and version")
     if length > MAX_PAYLOAD:
         raise ProtocolError(f"payload of {length} bytes is over the {MAX_PAYLOAD} limit")
+    return head, nonce, ts, tag, length
+
+
+def read_frame(conn: socket.socket, deadline: float, kind: int) -> tuple[bytes, bytes, float, bytes, bytes]:
+    """(header, nonce, timestamp, MAC, payload) of a frame of `kind`, read before `deadline`; nothing verified."""
+    head, nonce, ts, tag, length = parse_header(_recv_exact(conn, FRAME_HEADER, deadline), kind)
     return head, nonce, ts, tag, _recv_exact(conn, length, deadline)
 
 

@@ -26,7 +26,6 @@ from hybridkv.connectors.side_channel import (
     _HEAD,
     FRAME_HEADER,
     MAGIC,
-    MAX_PAYLOAD,
     REFUSED,
     REPLY,
     REQUEST,
@@ -34,6 +33,7 @@ from hybridkv.connectors.side_channel import (
     ProtocolError,
     decode_payload,
     encode,
+    parse_header,
 )
 
 logger = logging.getLogger(__name__)
@@ -122,13 +122,7 @@ class SideChannelServer:
 
     @staticmethod
     async def _frame(reader: asyncio.StreamReader) -> tuple[bytes, bytes, float, bytes, bytes]:
-        raw = await reader.readexactly(FRAME_HEADER)
-        head, tag = raw[: _HEAD.size], raw[_HEAD.size :]
-        magic, version, kind, length, nonce, ts = _HEAD.unpack(head)
-        if magic != MAGIC or version != VERSION or kind != REQUEST:
-            raise ProtocolError("not a hybridkv side-channel request of this version")
-        if length > MAX_PAYLOAD:
-            raise ProtocolError(f"payload of {length} bytes is over the {MAX_PAYLOAD} limit")
+        head, nonce, ts, tag, length = parse_header(await reader.readexactly(FRAME_HEADER), REQUEST)
         return head, nonce, ts, tag, await reader.readexactly(length)
 
     def _answer(self, message: dict[str, Any]) -> dict[str, Any]:
