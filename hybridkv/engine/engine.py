@@ -129,7 +129,13 @@ class LLMEngine:
         ]
         penalized = any(r.params.penalized for r in reqs)
         history = [(r.prompt_token_ids, r.output_token_ids) for r in reqs] if penalized else ()
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], banned, history)
+        errors: dict[int, str] = {}
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], banned, history, errors)
+        for i, reason in errors.items():  # that request fails alone; the step goes on for the others
+            logger.warning("request %s failed: %s", reqs[i].request_id, reason)
+            reqs[i].error = reason
+            self.scheduler.finish(reqs[i].request_id, RequestStatus.FINISHED_ERROR)
+            failed.append(reqs[i])
         wants = [i for i, r in enumerate(reqs) if r.logprobs is not None]
         if wants:
             rows = token_logprobs(logits[wants], [tokens[i] for i in wants], [reqs[i].params.logprobs for i in wants])

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): dividing by them overflows
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or anything below SAMPLING_EPS) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
     seed: int | None = None
@@ -57,7 +58,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def penalized(self) -> bool:

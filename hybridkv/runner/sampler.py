@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -16,33 +17,61 @@ def sample(
     generators: Sequence[torch.Generator | None],
     banned: Sequence[Sequence[int]] = (),
     history: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
+    errors: dict[int, str] | None = None,
 ) -> list[int]:
     """logits: [M, vocab]. `banned[i]` are token ids row i may not pick (EOS before min_tokens); `history[i]`:
-    row i's (prompt, output) token ids, needed only by rows with penalties."""
+    row i's (prompt, output) token ids, needed only by rows with penalties. With `errors`, a row whose sampling
+    raises is recorded there (row -> reason) and the others go on unchanged (each has its own generator)."""
     logits = logits.float()
     if any(banned) or any(p.penalized for p in params):
         logits = logits.clone()  # the caller's logits stay raw (logprobs read them), and may be inference tensors
     for i, p in enumerate(params):
         if p.penalized:
-            logits[i] = penalize(logits[i], p, *history[i])
+            logits[i] = _guarded(errors, i, logits[i], penalize, logits[i], p, *history[i])
     for i, ids in enumerate(banned):
         if ids:
             logits[i, list(ids)] = float("-inf")
+    if any(p.penalized for p in params):
+        logits = finite(logits)  # a tiny repetition penalty divides a logit into inf
     out = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = logits[i] / p.temperature
-        if p.top_k > 0:
-            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            keep = sorted_probs.cumsum(0) - sorted_probs < p.top_p  # the smallest set reaching top_p
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-        out[i] = int(torch.multinomial(probs.cpu(), 1, generator=generators[i]).item())
+        if not p.greedy and (errors is None or i not in errors):
+            out[i] = _guarded(errors, i, out[i], _draw, logits[i], p, generators[i])
     return out
+
+
+def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """One row: temperature, top-k, top-p, then a draw from what is left."""
+    row = finite(logits / p.temperature)
+    if p.top_k > 0:
+        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(0) - sorted_probs < p.top_p  # the smallest set reaching top_p
+        keep[0] = True  # at least one token, also where top_p rounds to 0 in float32
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+
+
+T = TypeVar("T")
+
+
+def _guarded(errors: dict[int, str] | None, row: int, fallback: T, work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)`; with `errors` given, a failure records why row `row` failed and returns `fallback`."""
+    if errors is None:
+        return work(*args)
+    try:
+        return work(*args)
+    except Exception as e:  # this row's values broke something: fail its request, not the batch
+        errors[row] = f"sampling failed: {type(e).__name__}: {e}"
+        return fallback
+
+
+def finite(x: torch.Tensor) -> torch.Tensor:
+    """+inf becomes the largest float and nan -inf; -inf (a banned token) stays. Softmax stays defined."""
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
 
 
 def penalize(row: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> torch.Tensor:
