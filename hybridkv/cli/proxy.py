@@ -6,14 +6,21 @@ import typer
 
 
 def proxy(ctx: typer.Context) -> None:
-    """--prefill URL [URL...] --decode URL [URL...] [--host 127.0.0.1] [--port 8192]"""
+    """--prefill URL [URL...] --decode URL [URL...] [--host 127.0.0.1] [--port 8192] [--connect-timeout 10]
+    [--read-timeout 300]"""
     import uvicorn
 
     from hybridkv.serve.proxy import build_proxy
 
     try:
         opts = parse_args(ctx.args)
-        app = build_proxy(opts["--prefill"], opts["--decode"], bind_host=opts["--host"][0])
+        app = build_proxy(
+            opts["--prefill"],
+            opts["--decode"],
+            bind_host=opts["--host"][0],
+            connect_timeout_s=_seconds(opts, "--connect-timeout", 10.0),
+            read_timeout_s=_seconds(opts, "--read-timeout", 300.0),
+        )
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
@@ -22,7 +29,9 @@ def proxy(ctx: typer.Context) -> None:
 
 def parse_args(args: list[str]) -> dict[str, list[str]]:
     """`--prefill a b --decode c` style lists (each flag may also repeat, or take comma-separated URLs)."""
-    opts: dict[str, list[str]] = {"--prefill": [], "--decode": [], "--host": [], "--port": []}
+    opts: dict[str, list[str]] = {
+        "--prefill": [], "--decode": [], "--host": [], "--port": [], "--connect-timeout": [], "--read-timeout": []
+    }  # fmt: skip
     current = None
     for arg in args:
         if arg.startswith("--"):
@@ -38,3 +47,15 @@ def parse_args(args: list[str]) -> dict[str, list[str]]:
     if not opts["--port"][0].isdigit():
         raise ValueError(f"--port must be a number, got {opts['--port'][0]!r}")
     return opts
+
+
+def _seconds(opts: dict[str, list[str]], flag: str, default: float) -> float:
+    if not opts[flag]:
+        return default
+    try:
+        value = float(opts[flag][-1])
+    except ValueError:
+        raise ValueError(f"{flag} takes seconds, got {opts[flag][-1]!r}") from None
+    if not value > 0:
+        raise ValueError(f"{flag} must be positive, got {opts[flag][-1]}")
+    return value

@@ -20,6 +20,9 @@ def serve(
     enable_admin: Annotated[
         bool, typer.Option(help="serve GET /admin/kv (block usage, connector state, integrity check)")
     ] = False,
+    max_request_bytes: Annotated[
+        int, typer.Option(min=1024, help="largest request body taken (413 beyond); default 16 MiB")
+    ] = 16 << 20,
     dtype: Annotated[str, typer.Option()] = "float32",
     kv_layout: Annotated[str, typer.Option(help=" | ".join(KV_LAYOUTS))] = "auto",
     kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget, e.g. 1GiB")] = "1GiB",
@@ -76,7 +79,9 @@ def serve(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, served_model_name or Path(folder).name, api_key, enable_admin, host)
+    app = build_app(
+        async_engine, served_model_name or Path(folder).name, api_key, enable_admin, host, max_request_bytes
+    )
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:

@@ -95,13 +95,18 @@ class KVConnector:
 
     load_failure_policy = "recompute"  # or "fail": what the scheduler does with a request whose load failed
 
-    def accept_transfer_params(self, raw: Any) -> Any:
-        """Client-supplied kv_transfer_params (hostile) -> the typed value `Request.kv_transfer_params` carries, or
-        None for nothing to do. Called on the HTTP side before the request is queued, so it must be thread-safe
-        and touch no engine state. Raises ValueError naming a malformed field (a 400), or TransferRefused."""
+    def accept_transfer_params(self, raw: Any, num_prompts: int = 1) -> list[Any]:
+        """Client-supplied kv_transfer_params (hostile) for a request of `num_prompts` prompts -> per prompt, the
+        typed value `Request.kv_transfer_params` carries (None: nothing to do). Called on the HTTP side before
+        the request is queued, so it must be thread-safe and touch no engine state. Raises ValueError naming a
+        malformed field (a 400), or TransferRefused."""
         if raw:
             raise ValueError("kv_transfer_params: this server's KV connector takes none")
-        return None
+        return [None] * num_prompts
+
+    def merge_transfer_params(self, outs: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+        """The response's one kv_transfer_params for the prompts' own (`request_finished`'s), in prompt order."""
+        return outs[0] if len(outs) == 1 else None
 
     def cancel_transfer(self, raw: Any) -> bool:
         """The client will not use these kv_transfer_params (this instance handed them out): free what they hold.

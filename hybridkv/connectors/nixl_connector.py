@@ -48,9 +48,11 @@ from hybridkv.connectors.peer_io import PeerIO
 from hybridkv.connectors.side_channel_server import SideChannelServer
 from hybridkv.connectors.transfer_params import (
     ParamLimits,
+    RemoteBatch,
     RemoteDecode,
     RemotePrefill,
     TransferParams,
+    batch_json,
     is_loopback,
     parse_transfer_params,
     prompt_hash,
@@ -134,10 +136,20 @@ class NixlConnector(KVConnector):
             )
 
     # ---- what arrives over HTTP ----------------------------------------------------------------------------
-    def accept_transfer_params(self, raw: Any) -> TransferParams | None:
+    def accept_transfer_params(self, raw: Any, num_prompts: int = 1) -> list[TransferParams | None]:
         params = parse_transfer_params(raw, self.limits)
-        if not isinstance(params, RemotePrefill):
-            return params
+        if isinstance(params, RemoteBatch):
+            if len(params.items) != num_prompts:
+                raise ValueError(f"kv_transfer_params.batch: {len(params.items)} entries for {num_prompts} prompts")
+            return [None if p is None else self._verified(p) for p in params.items]
+        if isinstance(params, RemotePrefill):
+            if num_prompts != 1:
+                raise ValueError(f"kv_transfer_params: one prompt's params for {num_prompts} prompts; send the batch "
+                                 "params the prefill instance returned")  # fmt: skip
+            return [self._verified(params)]
+        return [params] * num_prompts  # RemoteDecode: a lease for each prompt
+
+    def _verified(self, params: RemotePrefill) -> RemotePrefill | None:
         problem = None
         if not params.signature_ok(self.keys.params):
             problem = "kv_transfer_params: the signature does not verify (altered or forged, or another mesh secret)"
@@ -153,11 +165,18 @@ class NixlConnector(KVConnector):
             raise TransferRefused(problem)
         return None  # recompute
 
+    def merge_transfer_params(self, outs: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+        if not any(outs):
+            return None
+        return outs[0] if len(outs) == 1 else batch_json(outs)
+
     def cancel_transfer(self, raw: Any) -> bool:
         params = parse_transfer_params(raw, self.limits)
-        if not isinstance(params, RemotePrefill) or params.engine_id != self.identity.engine_id:
-            return False
-        released = self.leases.release(params.lease_id, params.signature)
+        items = params.items if isinstance(params, RemoteBatch) else (params,)
+        released = False
+        for p in items:
+            if isinstance(p, RemotePrefill) and p.engine_id == self.identity.engine_id:
+                released = self.leases.release(p.lease_id, p.signature) or released
         self._wake()
         return released
 

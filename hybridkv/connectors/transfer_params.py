@@ -104,7 +104,23 @@ class RemotePrefill:
         }
 
 
-TransferParams = RemoteDecode | RemotePrefill
+@dataclass(frozen=True)
+class RemoteBatch:
+    """To a decoder, for a completions batch: each prompt's RemotePrefill in order (None: compute that prompt)."""
+
+    items: tuple[RemotePrefill | None, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return batch_json([None if p is None else p.to_json() for p in self.items])
+
+
+def batch_json(items: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """One kv_transfer_params object for a batch, as routers pass it on unread."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "batch": items}
+
+
+TransferParams = RemoteDecode | RemotePrefill | RemoteBatch
+MAX_BATCH = 1024
 PREFILL_KEYS = frozenset({"do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_host", "remote_port",
                           "remote_request_id", "remote_block_ids", "remote_num_tokens", "prompt_hash", "lease_id",
                           "expires_at", "signature"})  # fmt: skip
@@ -116,6 +132,8 @@ def parse_transfer_params(raw: Any, limits: ParamLimits) -> TransferParams | Non
         return None
     if not isinstance(raw, Mapping):
         raise ValueError("kv_transfer_params must be a JSON object")
+    if "batch" in raw:
+        return _batch(raw, limits)
     if raw.get("do_remote_decode") is True:
         unknown = set(raw) - {"do_remote_decode", *_UNSET_ON_PREFILL}
         if unknown:
@@ -131,6 +149,32 @@ def parse_transfer_params(raw: Any, limits: ParamLimits) -> TransferParams | Non
         if set(raw) - {"do_remote_decode", "do_remote_prefill"}:
             raise ValueError("kv_transfer_params: remote_* fields need do_remote_prefill: true")
         return None
+    return _remote_prefill(raw, limits)
+
+
+def _batch(raw: Mapping[str, Any], limits: ParamLimits) -> RemoteBatch:
+    if set(raw) - {"do_remote_prefill", "do_remote_decode", "batch"} or raw.get("do_remote_prefill") is not True:
+        raise ValueError("kv_transfer_params: a batch takes exactly do_remote_prefill: true and batch")
+    if raw.get("do_remote_decode") not in (None, False):
+        raise ValueError("kv_transfer_params.do_remote_decode: must be false with do_remote_prefill")
+    items = raw["batch"]
+    if not isinstance(items, list) or not 0 < len(items) <= MAX_BATCH:
+        raise ValueError(f"kv_transfer_params.batch: a list of 1 to {MAX_BATCH} entries")
+    out: list[RemotePrefill | None] = []
+    for i, item in enumerate(items):
+        if item is None:
+            out.append(None)
+            continue
+        try:
+            if not isinstance(item, Mapping) or item.get("do_remote_prefill") is not True:
+                raise ValueError("kv_transfer_params: each entry must be a prefill's params or null")
+            out.append(_remote_prefill(item, limits))
+        except ValueError as e:
+            raise ValueError(str(e).replace("kv_transfer_params", f"kv_transfer_params.batch[{i}]", 1)) from e
+    return RemoteBatch(tuple(out))
+
+
+def _remote_prefill(raw: Mapping[str, Any], limits: ParamLimits) -> RemotePrefill:
     unknown = set(raw) - PREFILL_KEYS
     if unknown:
         raise ValueError(f"kv_transfer_params.{sorted(unknown)[0]}: unknown field")

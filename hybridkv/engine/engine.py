@@ -83,6 +83,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         kv_transfer_params: Any = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """`kv_transfer_params`: what `accept_transfer_params` returned, or a raw dict it is applied to."""
         ids = self.tokenize(prompt)
@@ -91,21 +92,27 @@ class LLMEngine:
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         if isinstance(kv_transfer_params, dict):
-            kv_transfer_params = self.accept_transfer_params(kv_transfer_params)
+            (kv_transfer_params,) = self.accept_transfer_params(kv_transfer_params)
         rid = request_id or f"req-{next(self._ids)}"
-        req = Request(rid, ids, params, self.plan.block_size, self.eos_token_ids, kv_transfer_params=kv_transfer_params)
+        req = Request(rid, ids, params, self.plan.block_size, self.eos_token_ids, cache_salt, kv_transfer_params)
         self.scheduler.add(req)
         return req
 
-    def accept_transfer_params(self, raw: Any) -> Any:
-        """Client-supplied kv_transfer_params, parsed and verified by the connector (thread-safe: the server calls
-        it before queueing). ValueError names a bad field; TransferRefused is a verification failure under
-        kv_load_failure_policy "fail"."""
+    def accept_transfer_params(self, raw: Any, num_prompts: int = 1) -> list[Any]:
+        """Client-supplied kv_transfer_params for `num_prompts` prompts, parsed and verified by the connector:
+        one value per prompt (thread-safe: the server calls it before queueing). ValueError names a bad field;
+        TransferRefused is a verification failure under kv_load_failure_policy "fail"."""
         if not raw:
-            return None
+            return [None] * num_prompts
         if self.connector is None:
             raise ValueError("kv_transfer_params need a server started with --kv-transfer-config")
-        return self.connector.accept_transfer_params(raw)
+        return self.connector.accept_transfer_params(raw, num_prompts)
+
+    def merge_transfer_params(self, outs: list[dict | None]) -> dict | None:
+        """The one kv_transfer_params a response carries for its prompts' (in order)."""
+        if self.connector is None or not any(outs):
+            return None
+        return self.connector.merge_transfer_params(outs)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)

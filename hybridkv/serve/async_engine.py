@@ -45,6 +45,17 @@ def _deliver(items: list[tuple[asyncio.Queue, Update]]) -> None:
         q.put_nowait(update)
 
 
+@dataclass(frozen=True)
+class _Add:
+    """The event loop asks the engine thread to start a request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    kv_transfer_params: Any
+    cache_salt: str | None
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -60,7 +71,7 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | tuple] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -78,12 +89,16 @@ class AsyncEngine:
         if self.engine.connector is not None:
             self.engine.connector.shutdown()
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.scheduler.config.max_model_len
+
     def check_prompt(self, prompt: str | list[int]) -> list[int]:
         """Tokenize and validate on the caller's side, so bad requests fail before they reach the engine."""
         ids = self.engine.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
-        limit = self.engine.scheduler.config.max_model_len
+        limit = self.max_model_len
         if len(ids) >= limit:
             raise ValueError(f"the prompt has {len(ids)} tokens; this server's max_model_len is {limit}")
         vocab = self.engine.vocab_size
@@ -91,9 +106,12 @@ class AsyncEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    def accept_transfer_params(self, raw: Any) -> Any:
+    def accept_transfer_params(self, raw: Any, num_prompts: int = 1) -> list[Any]:
         """Parse and verify client kv_transfer_params before queueing (see LLMEngine.accept_transfer_params)."""
-        return self.engine.accept_transfer_params(raw)
+        return self.engine.accept_transfer_params(raw, num_prompts)
+
+    def merge_transfer_params(self, outs: list[dict | None]) -> dict | None:
+        return self.engine.merge_transfer_params(outs)
 
     def cancel_transfer(self, raw: Any) -> bool:
         connector = self.engine.connector
@@ -106,14 +124,18 @@ class AsyncEngine:
         return dead + (connector.dead_threads() if connector is not None else [])
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, kv_transfer_params: Any = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: Any = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Update]:
         """Stream a request's updates. Leaving the loop early (a client that went away) aborts it.
-        `kv_transfer_params`: what `accept_transfer_params` returned."""
+        `kv_transfer_params`: what `accept_transfer_params` returned for this prompt."""
         request_id = f"cmpl-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._post(("add", request_id, prompt_ids, params, kv_transfer_params))
+        self._post(_Add(request_id, prompt_ids, params, kv_transfer_params, cache_salt))
         finished = False
         try:
             while not finished:
@@ -136,7 +158,7 @@ class AsyncEngine:
     def metrics_text(self) -> str:
         return self.metrics.render(self.engine)
 
-    def _post(self, command: tuple) -> None:
+    def _post(self, command: _Add | tuple) -> None:
         self._inbox.put(command)
         self._wake.set()
 
@@ -166,14 +188,16 @@ class AsyncEngine:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                _, rid, ids, params, kv_params = command
-                if rid not in self._streams:
+            if isinstance(command, _Add):
+                if command.request_id not in self._streams:
                     continue  # the client left before its request started
                 try:
-                    self._streams[rid].request = self.engine.add_request(ids, params, rid, kv_params)
+                    self._streams[command.request_id].request = self.engine.add_request(
+                        command.prompt_ids, command.params, command.request_id, command.kv_transfer_params,
+                        command.cache_salt,
+                    )  # fmt: skip
                 except ValueError as e:
-                    self._send(rid, e)
+                    self._send(command.request_id, e)
             elif command[0] == "inspect":
                 _, loop, future = command
                 loop.call_soon_threadsafe(future.set_result, self._kv_state())

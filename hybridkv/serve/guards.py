@@ -4,7 +4,9 @@
 - `LoopbackHosts`: a server bound to loopback answers only requests whose Host header names loopback, so a web
   page whose DNS name is rebound to 127.0.0.1 cannot talk to it as "same origin".
 - `require_json`: POST bodies must be `application/json`, which a browser cannot send cross-origin without a
-  preflight these servers never grant.
+  preflight these servers never grant, at most `max_request_bytes` (413: a Content-Length over it is refused
+  before a byte is read), nested at most MAX_JSON_DEPTH deep and valid Unicode (no lone surrogates). Parsing
+  runs off the event loop, so a large body delays no other request.
 
 Both middlewares are plain ASGI: streamed responses pass through untouched (an `@app.middleware("http")` function
 would copy every SSE chunk through an extra task).
@@ -12,14 +14,19 @@ would copy every SSE chunk through an extra task).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
+import json
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from hybridkv.serve.protocol import APIError
+
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+MAX_JSON_DEPTH = 32
 
 
 def hostname(header: str) -> str:
@@ -73,8 +80,12 @@ class LoopbackHosts:
         await self.app(scope, receive, send)
 
 
-def guard(app: Any, api_key: str | None, bind_host: str | None) -> None:
-    """Install the guards that apply: the API key if set, the Host check if the server binds loopback."""
+def guard(
+    app: Any, api_key: str | None, bind_host: str | None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+) -> None:
+    """Install the guards that apply: the API key if set, the Host check if the server binds loopback, the body
+    limit `require_json` reads."""
+    app.state.max_request_bytes = max_request_bytes
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     if bind_host is not None and is_loopback_host(bind_host):
@@ -82,11 +93,47 @@ def guard(app: Any, api_key: str | None, bind_host: str | None) -> None:
 
 
 async def require_json(request: Request) -> Any:
-    """The parsed JSON body; 415 for another media type, 400 for a body that does not parse."""
+    """The parsed JSON body; 415 for another media type, 413 past the size limit, 400 for a body that does not
+    parse, nests too deep or holds a lone surrogate."""
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {media or 'none'!r}")
+    limit = getattr(request.app.state, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body has {declared} bytes; this server takes at most {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body is over {limit} bytes, the most this server takes")
+        chunks.append(chunk)
+    return await asyncio.to_thread(parse_json, b"".join(chunks))
+
+
+def parse_json(raw: bytes) -> Any:
     try:
-        return await request.json()
+        data = json.loads(raw)
     except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a huge integer, nesting past the stack
         raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from e
+    stack = [(data, 1)]
+    while stack:  # every value once: depth and strings (keys included)
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value)
+        elif isinstance(value, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+            items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+            for k, v in items:
+                if k is not None:
+                    _check_text(k)
+                stack.append((v, depth + 1))
+    return data
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, "the request body holds a lone surrogate (\\ud800-\\udfff alone): not valid Unicode") from e

@@ -21,12 +21,20 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
+STRICT = ConfigDict(strict=True)  # no coercion: `max_tokens: true` or `"seed": "3"` is a 400, not 1 or 3
+# OpenAI fields a client relies on when it sends them: refused by name rather than silently ignored.
+UNSUPPORTED = ("response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+               "suffix", "audio", "modalities", "prediction", "web_search_options", "guided_json", "guided_regex",
+               "guided_choice", "guided_grammar", "structured_outputs")  # fmt: skip
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored with a warning, as vLLM does
+    model_config = ConfigDict(extra="allow", strict=True)  # unknown fields are ignored with a warning, as vLLM does
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -47,6 +55,7 @@ class _Sampling(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0)
     kv_transfer_params: dict[str, Any] | None = None  # prefill/decode disaggregation (vLLM's field)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # prefix-cache isolation (vLLM's)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -93,11 +102,13 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
     type: str
     text: str = ""
 
 
 class ChatMessage(BaseModel):
+    model_config = STRICT
     role: str
     content: str | list[TextPart]
 
@@ -132,10 +143,15 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     """Validate a JSON body; the first problem becomes a 400 naming the field."""
     try:
         parsed = model.model_validate(body)
-        if parsed.model_extra:
-            logger.warning("request fields ignored (not supported): %s", ", ".join(sorted(parsed.model_extra)))
-        return parsed
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "body"
         raise APIError(400, f"{where}: {err['msg']}", param=where) from e
+    extra = parsed.model_extra or {}
+    refused = [k for k in UNSUPPORTED if extra.get(k) is not None]
+    if refused:
+        raise APIError(400, f"{refused[0]} is not supported by this server", param=refused[0])
+    ignored = sorted(k for k in extra if k not in UNSUPPORTED)
+    if ignored:
+        logger.warning("request fields ignored (not supported): %s", ", ".join(ignored))
+    return parsed

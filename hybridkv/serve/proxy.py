@@ -1,9 +1,11 @@
 """The PD proxy: each request is prefilled on one instance (max_tokens=1, kv_transfer_params.do_remote_decode) and
 decoded on another, which reads the prompt's KV from the first. Round-robin over each pool.
 
-The decode answer is streamed back as it comes. A client that leaves before the decode request is sent gets the
-prefill instance's lease released right away (not on expiry); one that leaves during decoding closes the decode
-stream, which aborts the request there.
+The decode answer is streamed back as it comes. When a prefill instance does not answer (a connection error, a
+timeout or a 5xx), the next one is tried; when none does, the decoder serves the request alone (it computes the
+prompt): logged, counted in /metrics, and /health says the prefill pool is degraded. A client that leaves before
+the decode request is sent gets the prefill instance's lease released right away (not on expiry); one that leaves
+during decoding closes the decode request, which aborts it there, streamed or not.
 """
 
 from __future__ import annotations
@@ -18,24 +20,37 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from hybridkv.serve.guards import error_response, guard, require_json
 from hybridkv.serve.protocol import APIError
+from hybridkv.serve.responses import until_disconnected
 
 logger = logging.getLogger(__name__)
 
 # Fields the prefill step must not carry: it generates exactly one token, not streamed.
 PREFILL_DROPS = ("stream", "stream_options", "min_tokens", "logprobs", "top_logprobs", "max_completion_tokens")
+COUNTERS = ("requests", "prefill_retries", "prefill_fallbacks", "decode_errors")
 
 
-def build_proxy(prefill: list[str], decode: list[str], bind_host: str | None = None) -> FastAPI:
+def build_proxy(
+    prefill: list[str],
+    decode: list[str],
+    bind_host: str | None = None,
+    connect_timeout_s: float = 10.0,
+    read_timeout_s: float = 300.0,
+) -> FastAPI:
+    """`read_timeout_s`: the longest an instance may stay silent (before its answer, or between streamed chunks)."""
     if not prefill or not decode:
         raise ValueError("the proxy needs at least one --prefill and one --decode URL")
     for url in prefill + decode:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"{url!r} is not a URL: pass instances as http://HOST:PORT")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10), limits=httpx.Limits(max_connections=1024))
+    if connect_timeout_s <= 0 or read_timeout_s <= 0:
+        raise ValueError("the proxy's connect and read timeouts must be positive")
+    timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+    client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024))
+    counts = dict.fromkeys(COUNTERS, 0)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -48,19 +63,28 @@ def build_proxy(prefill: list[str], decode: list[str], bind_host: str | None = N
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 when every instance answers its /health, else 503 naming those that do not."""
+        """200 "ok" when every instance answers its /health; 200 "degraded" while some prefill instance (but no
+        decode instance) is down, since decoders then serve alone; 503 while a decode instance is down."""
         urls = prefill + decode
         replies = await asyncio.gather(*(client.get(f"{u}/health", timeout=2) for u in urls), return_exceptions=True)
         down = [u for u, r in zip(urls, replies) if isinstance(r, BaseException) or r.status_code != 200]
-        body = {"status": "unavailable" if down else "ok", "prefill": prefill, "decode": decode, "down": down}
-        return JSONResponse(body, status_code=503 if down else 200)
+        degraded = [pool for pool, urls in (("prefill", prefill), ("decode", decode)) if set(urls) & set(down)]
+        status = "unavailable" if "decode" in degraded else ("degraded" if degraded else "ok")
+        body = {"status": status, "prefill": prefill, "decode": decode, "down": down, "degraded_pools": degraded}
+        return JSONResponse(body, status_code=503 if status == "unavailable" else 200)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        lines = []
+        for name in COUNTERS:
+            lines += [f"# TYPE hybridkv_proxy_{name}_total counter", f"hybridkv_proxy_{name}_total {counts[name]}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         """The decode instances' models (every instance serves the same one)."""
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         try:
-            r = await client.get(f"{decode[0]}/v1/models", headers=headers, timeout=10)
+            r = await client.get(f"{decode[0]}/v1/models", headers=_auth(request), timeout=10)
         except httpx.HTTPError as e:
             return error_response(APIError(502, f"decode instance {decode[0]} unreachable: {e}", "server_error"))
         return JSONResponse(_json(r), status_code=r.status_code)
@@ -73,6 +97,28 @@ def build_proxy(prefill: list[str], decode: list[str], bind_host: str | None = N
     async def chat(request: Request):
         return await relay(request, "/v1/chat/completions")
 
+    async def prefill_step(route: str, body: dict, headers: dict) -> tuple[str | None, Any]:
+        """(the prefill instance that answered, its kv_transfer_params), trying each instance once; (None, None)
+        when none answered; an error response when one refused the request (a 4xx: the decoder would too)."""
+        first = {k: v for k, v in body.items() if k not in PREFILL_DROPS}
+        first |= {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        for attempt in range(len(prefill)):
+            url = next(prefills)
+            try:
+                r = await client.post(url + route, json=first, headers=headers)
+            except httpx.HTTPError as e:
+                logger.warning("prefill instance %s did not answer: %s", url, e)
+            else:
+                if r.status_code == 200:
+                    return url, _json(r).get("kv_transfer_params")
+                if r.status_code < 500:
+                    return url, JSONResponse(_json(r), status_code=r.status_code)
+                logger.warning("prefill instance %s failed: %d %s", url, r.status_code, r.text[:200])
+            counts["prefill_retries"] += attempt + 1 < len(prefill)
+        counts["prefill_fallbacks"] += 1
+        logger.warning("no prefill instance answered: the decoder serves the request alone")
+        return None, None
+
     async def relay(request: Request, route: str):
         try:
             body = await require_json(request)
@@ -80,41 +126,35 @@ def build_proxy(prefill: list[str], decode: list[str], bind_host: str | None = N
             return error_response(e)
         if not isinstance(body, dict):
             return error_response(APIError(400, "the request body must be a JSON object"))
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        p_url, d_url = next(prefills), next(decodes)
-        first = {k: v for k, v in body.items() if k not in PREFILL_DROPS}
-        first |= {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
-        try:
-            r = await client.post(p_url + route, json=first, headers=headers)
-        except httpx.HTTPError as e:
-            return error_response(APIError(502, f"prefill instance {p_url} unreachable: {e}", "server_error"))
-        if r.status_code != 200:
-            return JSONResponse(_json(r), status_code=r.status_code)
-        params = _json(r).get("kv_transfer_params")
+        counts["requests"] += 1
+        headers = _auth(request)
+        p_url, params = await prefill_step(route, body, headers)
+        if isinstance(params, JSONResponse):
+            return params
         if await request.is_disconnected():
             await release(p_url, params, headers)
             return error_response(APIError(499, "client closed the request", "client_closed"))
         second = body | ({"kv_transfer_params": params} if params else {})
-        if not body.get("stream"):
-            try:
-                r = await client.post(d_url + route, json=second, headers=headers)
-            except httpx.HTTPError as e:
-                await release(p_url, params, headers)
-                return error_response(APIError(502, f"decode instance {d_url} unreachable: {e}", "server_error"))
-            if r.status_code != 200:
-                await release(p_url, params, headers)  # the decoder refused it: nobody will read the prefill blocks
-            return JSONResponse(_json(r), status_code=r.status_code)
+        d_url = next(decodes)
         upstream = client.build_request("POST", d_url + route, json=second, headers=headers)
         try:
-            response = await client.send(upstream, stream=True)
-        except httpx.HTTPError as e:
+            response = await until_disconnected(request, client.send(upstream, stream=True))
+        except (httpx.HTTPError, APIError) as e:
             await release(p_url, params, headers)
-            return error_response(APIError(502, f"decode instance {d_url} unreachable: {e}", "server_error"))
+            counts["decode_errors"] += isinstance(e, httpx.HTTPError)
+            error = e if isinstance(e, APIError) else APIError(502, f"decode {d_url} unreachable: {e}", "server_error")
+            return error_response(error)
         if response.status_code != 200:
             content = await response.aread()
             await response.aclose()
-            await release(p_url, params, headers)
-            return JSONResponse(json.loads(content or b"{}"), status_code=response.status_code)
+            await release(p_url, params, headers)  # the decoder refused it: nobody will read the prefill's blocks
+            return JSONResponse(_loads(content), status_code=response.status_code)
+        if not body.get("stream"):
+            try:
+                content = await until_disconnected(request, response.aread())
+            finally:
+                await response.aclose()  # a client that left closes the decode request: decode aborts
+            return JSONResponse(_loads(content))
 
         async def stream():
             try:
@@ -125,9 +165,9 @@ def build_proxy(prefill: list[str], decode: list[str], bind_host: str | None = N
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
-    async def release(p_url: str, params: dict[str, Any] | None, headers: dict[str, str]) -> None:
+    async def release(p_url: str | None, params: dict[str, Any] | None, headers: dict[str, str]) -> None:
         """Free a prefill lease nobody will read (the prefill instance checks that it issued these params)."""
-        if not params:
+        if not params or p_url is None:
             return
         try:
             r = await client.post(f"{p_url}/kv_transfer/release", json={"kv_transfer_params": params}, headers=headers)
@@ -137,6 +177,17 @@ def build_proxy(prefill: list[str], decode: list[str], bind_host: str | None = N
             logger.warning("could not release a prefill lease at %s: %s", p_url, e)
 
     return app
+
+
+def _auth(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+
+
+def _loads(content: bytes) -> Any:
+    try:
+        return json.loads(content or b"{}")
+    except ValueError:
+        return {"error": {"message": content[:500].decode(errors="replace"), "type": "server_error"}}
 
 
 def _json(r: httpx.Response) -> dict[str, Any]:

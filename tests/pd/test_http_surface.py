@@ -34,7 +34,7 @@ def pair(tiny_gemma4):
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("HYBRIDKV_KV_SECRET", raising=False)
         (pe, prefill), (de, decode) = instance(tiny_gemma4), instance(tiny_gemma4, "fail")
-    yield prefill, decode, pe
+    yield prefill, decode, pe, de
     pe.stop()
     de.stop()
 
@@ -70,12 +70,30 @@ def test_hostile_bodies_and_host_names_are_refused_before_any_route(pair):
     assert r.status_code == 421 and "loopback" in r.json()["error"]["message"]
 
 
-def test_a_batch_with_kv_transfer_params_is_refused(pair):
-    """One lease per request: the other prompts' blocks would stay leased and unreachable."""
-    prefill = pair[0]
-    body = PROMPT | {"prompt": ["one prompt", "another"], "kv_transfer_params": {"do_remote_decode": True}}
-    r = prefill.post("/v1/completions", json=body)
-    assert r.status_code == 400 and "one prompt" in r.json()["error"]["message"]
+def test_a_batch_moves_every_prompts_kv_and_holds_no_lease_after(pair):
+    """A completions batch under PD: a lease and params per prompt (per choice, and one top-level object a router
+    passes on), the decoder reads every prompt's KV, and its answers equal one instance's."""
+    prefill, decode, pe, de = pair
+    prompts = [f"{w} " + PROMPT["prompt"] for w in ("one", "two", "three")]
+    body = PROMPT | {"prompt": prompts, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    first = prefill.post("/v1/completions", json=body).json()
+    per_choice = [c["kv_transfer_params"] for c in first["choices"]]
+    assert first["kv_transfer_params"]["batch"] == per_choice and len({p["lease_id"] for p in per_choice}) == 3
+    before = de.engine.connector.metrics()
+    batch = PROMPT | {"prompt": prompts}
+    second = decode.post("/v1/completions", json=batch | {"kv_transfer_params": first["kv_transfer_params"]})
+    alone = decode.post("/v1/completions", json=batch).json()
+    assert [c["text"] for c in second.json()["choices"]] == [c["text"] for c in alone["choices"]]
+    after = de.engine.connector.metrics()
+    assert after["kv_transfer_reads"] - before["kv_transfer_reads"] == 3
+    assert after["kv_transfer_failures"] == before["kv_transfer_failures"]
+    deadline = time.monotonic() + 5
+    while pe.engine.connector.leases.blocks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(pe.engine.connector.leases) == 0
+    two = PROMPT | {"prompt": prompts[:2], "kv_transfer_params": first["kv_transfer_params"]}
+    wrong = decode.post("/v1/completions", json=two)
+    assert wrong.status_code == 400 and "3 entries for 2 prompts" in wrong.text
 
 
 def test_leases_hold_at_most_half_the_pool(tiny_gemma4):
@@ -112,7 +130,7 @@ def test_admin_is_off_unless_asked_and_docs_need_the_key(tiny_gemma4):
 
 
 def test_bad_params_are_400s_naming_the_field_and_forged_ones_403_under_fail(pair):
-    prefill, decode, _ = pair
+    prefill, decode, _, _ = pair
     params = issued(prefill)
     for field, value in (("remote_port", 2**63), ("remote_block_ids", [["a"]]), ("lease_id", 7)):
         r = decode.post("/v1/completions", json=PROMPT | {"kv_transfer_params": params | {field: value}})
@@ -133,7 +151,7 @@ def test_without_a_secret_a_decoder_reads_only_from_this_host(pair):
     from hybridkv.connectors.mesh_auth import MeshKeys
     from hybridkv.connectors.transfer_params import ParamLimits, parse_transfer_params
 
-    prefill, decode, _ = pair
+    prefill, decode, _, _ = pair
     params = issued(prefill)
     typed = parse_transfer_params(params, ParamLimits(len(params["remote_block_ids"]), 64, 256))
     remote = replace(typed, host="10.1.2.3").signed(MeshKeys.derive(None).params).to_json()
@@ -142,7 +160,7 @@ def test_without_a_secret_a_decoder_reads_only_from_this_host(pair):
 
 
 def test_the_release_route_frees_only_params_this_instance_issued(pair):
-    prefill, decode, _ = pair
+    prefill, decode, _, _ = pair
     params = issued(prefill)
     assert decode.post("/kv_transfer/release", json={"kv_transfer_params": params}).json() == {"released": False}
     forged = params | {"lease_id": "0" * 32}

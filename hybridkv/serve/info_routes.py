@@ -1,0 +1,107 @@
+"""The routes around generation: /health, /v1/models (and one model), /version, /tokenize, /detokenize, /metrics,
+/admin/kv (with --enable-admin) and /kv_transfer/release (for PD proxies). vLLM's names and shapes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, Field, StrictInt
+
+import hybridkv
+from hybridkv.serve.async_engine import AsyncEngine
+from hybridkv.serve.chat import render_chat
+from hybridkv.serve.guards import require_json
+from hybridkv.serve.protocol import STRICT, APIError, ChatMessage, parse
+
+
+class TokenizeRequest(BaseModel):
+    model_config = STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = STRICT
+    model: str | None = None
+    tokens: list[StrictInt] = Field(max_length=1 << 20)
+
+
+def check_model(name: str | None, model_name: str) -> None:
+    """A request naming another model is a 404 (vLLM's answer); no name means ours."""
+    if name is not None and name != model_name:
+        raise APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}", "not_found_error")
+
+
+def add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, enable_admin: bool) -> None:
+    card = {"id": model_name, "object": "model", "owned_by": "hybridkv", "max_model_len": engine.max_model_len}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """503 naming the engine's threads that died (a server that cannot serve must not look healthy)."""
+        dead = engine.dead_threads()
+        if dead:
+            return JSONResponse({"status": "unhealthy", "dead_threads": dead}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        check_model(model_id, model_name)
+        return card
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": hybridkv.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        req = parse(TokenizeRequest, await require_json(request))
+        check_model(req.model, model_name)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        text = req.prompt
+        if req.messages is not None:
+            text = render_chat(engine.engine.config.model, [m.model_dump() for m in req.messages])
+        try:
+            ids = await asyncio.to_thread(engine.engine.tokenize, text)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from e
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        req = parse(DetokenizeRequest, await require_json(request))
+        check_model(req.model, model_name)
+        tokenizer = engine.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model folder has no tokenizer", param="tokens")
+        if any(not 0 <= t < engine.engine.vocab_size for t in req.tokens):
+            raise APIError(400, f"tokens must be ids in [0, {engine.engine.vocab_size})", param="tokens")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, req.tokens)}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(engine.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    if enable_admin:
+
+        @app.get("/admin/kv")
+        async def kv_state() -> dict:
+            return await engine.kv_state()
+
+    @app.post("/kv_transfer/release")
+    async def release_transfer(request: Request) -> dict[str, Any]:
+        """A PD proxy will not use the kv_transfer_params this prefill instance returned: free their blocks now."""
+        data = await require_json(request)
+        raw = data.get("kv_transfer_params") if isinstance(data, dict) else None
+        try:
+            return {"released": engine.cancel_transfer(raw)}
+        except ValueError as e:
+            raise APIError(400, str(e), param="kv_transfer_params") from e
