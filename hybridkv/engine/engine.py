@@ -15,6 +15,7 @@ from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
+from hybridkv.engine.stats import EngineStats
 from hybridkv.engine.tokenizer import Tokenizer, eos_token_ids
 from hybridkv.kv.coordinator import KVCacheCoordinator
 from hybridkv.kv.layout import cross_layers_enabled
@@ -113,6 +114,26 @@ class LLMEngine:
         if self.connector is None or not any(outs):
             return None
         return self.connector.merge_transfer_params(outs)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of counters and gauges; call it on the thread that steps the engine."""
+        s, pool, st = self.scheduler, self.kv.pool, self.scheduler.stats
+        return EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            waiting_for_kv=len(s.waiting_for_kv),
+            blocks_used=pool.num_used_blocks,
+            blocks_free=pool.num_free_blocks,
+            group_blocks_used=tuple(self.kv.blocks_held_per_group()),
+            prefix_query_tokens=st.prefix_query_tokens,
+            prefix_hit_tokens=st.prefix_hit_tokens,
+            prompt_tokens=st.prompt_tokens,
+            generation_tokens=st.generation_tokens,
+            preemptions=s.num_preemptions,
+            external_hit_tokens=st.external_hit_tokens,
+            kv_load_failures=st.kv_load_failures,
+            connector=self.connector.metrics() if self.connector is not None else {},
+        )
 
     def abort(self, request_id: str) -> None:
         self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)

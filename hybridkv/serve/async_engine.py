@@ -24,6 +24,7 @@ from hybridkv.serve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 DECODE_OVERLAP = 6  # tokens decoded again before the new ones, for their context
+STATS_EVERY_S = 0.05  # while busy, the engine thread publishes stats for /metrics at most this often
 
 
 @dataclass
@@ -77,6 +78,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stopped = False
         self.metrics = EngineMetrics()
+        self._stats, self._stats_time = engine.stats(), time.monotonic()
         if engine.connector is not None:
             engine.connector.set_waker(self._wake.set)
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
@@ -156,7 +158,11 @@ class AsyncEngine:
         return await future
 
     def metrics_text(self) -> str:
-        return self.metrics.render(self.engine)
+        return self.metrics.render(self._stats)
+
+    def _snapshot(self, now: float) -> None:
+        """Publish the engine's stats for /metrics (a reference swap: readers never see a half-built one)."""
+        self._stats, self._stats_time = self.engine.stats(), now
 
     def _post(self, command: _Add | tuple) -> None:
         self._inbox.put(command)
@@ -167,6 +173,7 @@ class AsyncEngine:
             try:
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
+                    self._snapshot(time.monotonic())
                     connector = self.engine.connector
                     self._wake.wait(connector.next_deadline() if connector else None)
                     self._wake.clear()
@@ -174,6 +181,9 @@ class AsyncEngine:
                         self.engine.scheduler.apply(connector.poll())  # releases and expired leases
                     continue
                 self.engine.step()
+                now = time.monotonic()
+                if now - self._stats_time >= STATS_EVERY_S:
+                    self._snapshot(now)
             except Exception as e:  # a bug in a step must not take the server down silently
                 logger.exception("engine step failed; failing its requests")
                 for rid in list(self._streams):
@@ -207,18 +217,18 @@ class AsyncEngine:
                 self._streams.pop(rid, None)
 
     def _kv_state(self) -> dict:
-        kv, s = self.engine.kv, self.engine.scheduler
+        """/admin/kv: the stats snapshot and a check_integrity() verdict, on the engine thread."""
         try:
-            kv.check_integrity()
+            self.engine.kv.check_integrity()
             integrity = "ok"
         except AssertionError as e:
             integrity = f"violated: {e}"
-        connector = self.engine.connector.metrics() if self.engine.connector else {}
+        st = self.engine.stats()
         return {
-            "blocks_used": kv.pool.num_used_blocks,
-            "blocks_free": kv.pool.num_free_blocks,
-            "requests": {"running": len(s.running), "waiting": len(s.waiting), "waiting_for_kv": len(s.waiting_for_kv)},
-            "connector": connector,
+            "blocks_used": st.blocks_used,
+            "blocks_free": st.blocks_free,
+            "requests": {"running": st.running, "waiting": st.waiting, "waiting_for_kv": st.waiting_for_kv},
+            "connector": st.connector,
             "integrity": integrity,
         }
 

@@ -253,7 +253,7 @@ def test_offload_metrics_reach_prometheus(model):
     folder, prompts, _ = model
     llm = offload_llm(folder, "packed")
     outputs(llm, prompts[:1])
-    text = EngineMetrics().render(llm.engine)
+    text = EngineMetrics().render(llm.engine.stats())
     for name in ("device_to_cpu_bytes_total", "cpu_to_device_seconds_total", "cpu_evictions_total", "misses_total"):
         assert f"hybridkv_kv_offload_{name} " in text
     check_idle(llm)
