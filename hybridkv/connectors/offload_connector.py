@@ -54,6 +54,10 @@ class OffloadingConnector(KVConnector):
         self.identity = identity
         self.stats = OffloadStats()
         self.stored: dict[str, int] = {}  # request -> blocks [0, n) already offered to the tiers
+        # Requests looked up in the tiers -> counted yet. A request counts once, however often it is looked up
+        # while it waits for blocks or after a preemption: a hit when its first load starts, a miss when it first
+        # computes without one. Forgotten when it finishes or is aborted.
+        self.looked_up: dict[str, bool] = {}
         self.disk: DiskTier | None = None
         self._writes_pending = 0  # disk writes queued or running (engine thread adds, writer thread subtracts)
         self._writes_lock = threading.Lock()
@@ -113,6 +117,7 @@ class OffloadingConnector(KVConnector):
         end = min(len(req.block_hashes), (req.num_prompt_tokens - 1) // self.block_size)  # one token computes
         if end <= start:
             return 0
+        self.looked_up.setdefault(req.request_id, False)
         order = sorted(range(len(self.plan.groups)), key=lambda g: self.plan.groups[g].sliding_window is not None)
         k = end
         while True:  # fixed point: every group resumes at the same block
@@ -123,7 +128,6 @@ class OffloadingConnector(KVConnector):
                 break
             k = shorter
         if k == start:
-            self.stats.add("misses")
             return 0
         for group in self.plan.groups:  # recency: what the request is about to load stays
             first = max(start, group.spec.num_skipped_tokens(k * self.block_size) // self.block_size)
@@ -135,6 +139,9 @@ class OffloadingConnector(KVConnector):
 
     # ---- loads ---------------------------------------------------------------------------------------------
     def start_load(self, req: Request, block_ids: list[list[int]], num_local_tokens: int) -> None:
+        if not self.looked_up.get(req.request_id):  # a request's second load (after a preemption) is no new hit
+            self.stats.add("hits")
+        self.looked_up[req.request_id] = True
         first = num_local_tokens // self.block_size
         end = (num_local_tokens + req.num_external_tokens) // self.block_size
         items = [
@@ -146,6 +153,8 @@ class OffloadingConnector(KVConnector):
         self.loader.start(req.request_id, items)
 
     def abort(self, request_id: str) -> bool:
+        self.stored.pop(request_id, None)
+        self.looked_up.pop(request_id, None)
         return self.loader.abort(request_id)
 
     def poll(self) -> ConnectorEvents:
@@ -164,6 +173,9 @@ class OffloadingConnector(KVConnector):
 
     # ---- stores --------------------------------------------------------------------------------------------
     def blocks_computed(self, req: Request, block_ids: list[list[int]], num_computed_tokens: int) -> None:
+        if self.looked_up.get(req.request_id) is False:  # looked up, then computed without a load
+            self.looked_up[req.request_id] = True
+            self.stats.add("misses")
         full = min(num_computed_tokens // self.block_size, len(req.block_hashes))
         done = self.stored.get(req.request_id, 0)
         if full <= done:
@@ -214,6 +226,7 @@ class OffloadingConnector(KVConnector):
 
     def request_finished(self, req: Request, block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
         self.stored.pop(req.request_id, None)
+        self.looked_up.pop(req.request_id, None)
         return False, None
 
     # ---- engine loop ---------------------------------------------------------------------------------------

@@ -79,7 +79,6 @@ class Loader:
                 break
             item.from_disk = True
             item.slot = self.cpu.allocate(item.key, ready=False)  # None: pending for another load, stage it
-        self.stats.add("hits")
         self.stats.add("disk_hit_blocks", sum(i.from_disk for i in items))
         self.stats.add("cpu_hit_blocks", sum(i.slot is not None and not i.from_disk for i in items))
         if load.error is None:

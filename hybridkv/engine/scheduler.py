@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class SchedulerStats:
-    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    prompt_tokens: int = 0  # prompt tokens of admitted requests, once per request (not again after a preemption)
     generation_tokens: int = 0
     prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admission
     prefix_hit_tokens: int = 0
@@ -51,6 +51,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        self._prompt_counted: set[str] = set()  # requests whose prompt is in stats.prompt_tokens
         self.num_preemptions = 0
         self.stats = SchedulerStats()
         self.failed: list[Request] = []  # finished with an error since the engine last collected them
@@ -109,7 +110,7 @@ class Scheduler:
                 i += 1
                 continue
             break
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while not preempted and self.waiting and budget > 0 and self._num_admitted() < self.config.max_num_seqs:
             req = self.waiting[0]
             hit = self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
             external = self.connector.num_external_tokens(req, hit.num_tokens) if self.connector else 0
@@ -120,11 +121,7 @@ class Scheduler:
             n = min(req.num_tokens - hit.num_tokens, budget)
             if not self.kv.allocate(req.request_id, hit.num_tokens + n, hit.num_tokens, hit):
                 break
-            self.waiting.popleft()
-            self.stats.prefix_query_tokens += req.num_tokens
-            self.stats.prefix_hit_tokens += hit.num_tokens
-            if req.num_preemptions == 0:
-                self.stats.prompt_tokens += req.num_prompt_tokens
+            self._admitted(req, hit)
             req.num_computed_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -132,16 +129,26 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(chunks, preempted)
 
+    def _num_admitted(self) -> int:
+        """Requests that hold blocks and will run: those waiting for a KV load count with the running ones."""
+        return len(self.running) + len(self.waiting_for_kv)
+
+    def _admitted(self, req: Request, hit: PrefixHit) -> None:
+        """`req`, at the head of the queue, got its blocks (first admission, after a preemption or a failed load)."""
+        self.waiting.popleft()
+        self.stats.prefix_query_tokens += req.num_tokens
+        self.stats.prefix_hit_tokens += hit.num_tokens
+        if req.request_id not in self._prompt_counted:
+            self._prompt_counted.add(req.request_id)
+            self.stats.prompt_tokens += req.num_prompt_tokens
+
     def _start_load(self, req: Request, hit: PrefixHit, external: int) -> bool:
         """Allocate the whole prompt (loaded tokens outside a sliding window take no block) and hand the
         blocks to the connector."""
         rid = req.request_id
         if not self.kv.allocate(rid, req.num_tokens, hit.num_tokens + external, hit):
             return False
-        self.waiting.popleft()
-        self.stats.prefix_query_tokens += req.num_tokens
-        self.stats.prefix_hit_tokens += hit.num_tokens
-        self.stats.prompt_tokens += req.num_prompt_tokens
+        self._admitted(req, hit)
         req.num_computed_tokens, req.num_external_tokens = hit.num_tokens, external
         req.status = RequestStatus.WAITING_FOR_KV
         self.waiting_for_kv[rid] = req
@@ -167,6 +174,7 @@ class Scheduler:
             if self.connector is not None and self.connector.load_failure_policy == "fail":
                 req.error = events.errors.get(rid, "KV load failed")
                 self.requests.pop(rid, None)
+                self._prompt_counted.discard(rid)
                 self.kv.free(rid)
                 req.status = RequestStatus.FINISHED_ERROR
                 self.failed.append(req)
@@ -214,6 +222,7 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self._prompt_counted.discard(request_id)
         loading = self.waiting_for_kv.pop(request_id, None) is not None
         if req in self.running:
             self.running.remove(req)
@@ -224,6 +233,9 @@ class Scheduler:
         if self.connector is not None and loading:
             hold = not self.connector.abort(request_id)  # a transfer may still write these blocks
         elif self.connector is not None:
+            # No token is computed any more; a reader (a decoder) resumes at the last prompt token, which it
+            # computes itself: the sliding blocks before that token's window go now, not at the lease's end.
+            self.kv.remove_skipped_blocks(request_id, req.num_prompt_tokens - 1)
             hold, req.kv_transfer_params_out = self.connector.request_finished(req, self.kv.block_ids(request_id))
         if not hold:
             self.kv.free(request_id)

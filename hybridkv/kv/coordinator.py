@@ -61,9 +61,11 @@ class KVCacheCoordinator:
         Returns False, changing nothing, when the free blocks do not suffice."""
         if hit is None and not any(m.needs_allocate(req_id, num_tokens, num_computed_tokens) for m in self.managers):
             return True  # a decode step inside the current blocks: nothing to free or add
-        for m in self.managers:
-            m.remove_skipped_blocks(req_id, num_computed_tokens)
-        hit_blocks = hit.blocks if hit is not None else tuple(() for _ in self.managers)
+        self.remove_skipped_blocks(req_id, num_computed_tokens)
+        if hit is None:
+            hit_blocks: tuple[Sequence[Block], ...] = tuple(() for _ in self.managers)
+        else:
+            hit_blocks = tuple(m.usable_hit(h, num_computed_tokens) for m, h in zip(self.managers, hit.blocks))
         need = sum(
             m.num_blocks_to_allocate(req_id, num_tokens, h, num_computed_tokens)
             for m, h in zip(self.managers, hit_blocks)
@@ -77,6 +79,12 @@ class KVCacheCoordinator:
         for m in self.managers:
             m.allocate(req_id, num_tokens, num_computed_tokens)
         return True
+
+    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
+        """Free, in every group, the blocks no token after the first `num_computed_tokens` reads (sliding-window
+        blocks that left the window), leaving the null block in their entries; cached blocks stay cached."""
+        for m in self.managers:
+            m.remove_skipped_blocks(req_id, num_computed_tokens)
 
     def cache_blocks(self, req_id: str, hashes: Sequence[BlockHash], num_tokens: int) -> None:
         """Publish the full blocks among the request's first `num_tokens` tokens, in every group."""
@@ -98,7 +106,8 @@ class KVCacheCoordinator:
 
     def check_integrity(self, extra_refs: Counter[int] | None = None) -> None:
         """Pool invariants, plus: each block's reference count equals the tables (and `extra_refs`, e.g. a
-        connector's holds) that contain it, no block serves two groups, and the block-id lists match the tables."""
+        connector's holds) that contain it, no block serves two groups, the block-id lists match the tables, and
+        a table's null entries all come before its blocks."""
         self.pool.check_integrity()
         refs: Counter[int] = Counter(extra_refs or {})
         owner: dict[int, int] = {}
@@ -106,6 +115,8 @@ class KVCacheCoordinator:
             assert m.ids.keys() == m.tables.keys(), f"group {m.group_id}: id lists and tables cover other requests"
             for rid, table in m.tables.items():
                 assert m.ids[rid] == [b.block_id for b in table], f"group {m.group_id}: stale block ids of {rid}"
+                first = next((i for i, b in enumerate(m.ids[rid]) if b != 0), len(table))
+                assert 0 not in m.ids[rid][first:], f"group {m.group_id}: {rid} holds a block before a null entry"
                 for b in table:
                     if b is self.pool.null_block:
                         continue

@@ -1,7 +1,8 @@
 """Per-group managers: which blocks one KV cache group holds for each request.
 
 A request's table in a group has one entry per block of tokens [0, num_tokens): entry i covers tokens
-[i * bs, (i + 1) * bs). Entries no future token reads (left the sliding window) are the null block.
+[i * bs, (i + 1) * bs). Entries no future token reads (left the sliding window) are the null block, and they are
+always the table's first entries: no block is held before a null entry (`remove_skipped_blocks` relies on it).
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class GroupManager:
 
     def _first_needed(self, num_computed_tokens: int) -> int:
         return self.spec.num_skipped_tokens(num_computed_tokens) // self.block_size
+
+    def usable_hit(self, hit: Sequence[Block], num_computed_tokens: int) -> list[Block]:
+        """`hit` with the null block where no token after `num_computed_tokens` reads: a connector load that
+        extends the hit past a sliding window leaves the hit's own window unread, so it takes no block."""
+        first = min(self._first_needed(num_computed_tokens), len(hit))
+        return [self.pool.null_block] * first + list(hit[first:])
 
     def add_hit_blocks(self, req_id: str, hit: Sequence[Block]) -> None:
         assert req_id not in self.tables, f"request {req_id} already has blocks; hits apply to new requests"
