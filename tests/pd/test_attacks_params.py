@@ -114,12 +114,15 @@ def test_a_bad_port_or_a_deep_json_peer_never_wedges_pd(secure_mesh, secure_sing
     p, d, x = secure_mesh
     params = prefill_only(p, ATTACKER)
     prompts = [it["prompt"] for it in HELDOUT[54:58]]
-    with ThreadPoolExecutor(5) as pool:
-        others = pool.submit(through_proxy, x, prompts, secure_single)
-        bad = httpx.post(f"{d.url}/v1/completions", timeout=60, json={
-            "prompt": ATTACKER, "max_tokens": 4, "kv_transfer_params": params | {"remote_port": 2**63}})  # fmt: skip
-        others.result()
-    assert bad.status_code == 400 and "remote_port" in bad.json()["error"]["message"]
+    poisons = [("remote_port", 2**63), ("remote_block_ids", [[10**30]] * 2), ("remote_block_ids", [["a"]] * 2),
+               ("remote_block_ids", [[1e300]] * 2)]  # fmt: skip
+    for field, value in poisons:  # each among four concurrent PD requests, which answer as one instance does
+        with ThreadPoolExecutor(5) as pool:
+            others = pool.submit(through_proxy, x, prompts, secure_single)
+            bad = httpx.post(f"{d.url}/v1/completions", timeout=60, json={
+                "prompt": ATTACKER, "max_tokens": 4, "kv_transfer_params": params | {field: value}})  # fmt: skip
+            others.result()
+        assert bad.status_code == 400 and field in bad.json()["error"]["message"], bad.text
     peer = deep_json_peer()
     try:
         before = stats(d)
