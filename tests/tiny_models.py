@@ -8,7 +8,10 @@ import torch
 
 S, F = "sliding_attention", "full_attention"
 
-# Gemma 4 with both head sizes and KV sharing: layers 5, 6 read layer 4's KV, layer 7 reads layer 3's.
+# Gemma 4 with both head sizes and KV sharing: layers 5, 6 read layer 4's KV, layer 7 reads layer 3's. Two full
+# owners (2, 3; pages of 8 KiB) and three sliding ones (0, 1, 4; 4 KiB) make one full and one sliding group whose
+# layer boundaries meet at 8 KiB: per-layer cuts each block into two regions (two buffers, two descriptors per block
+# and group), packed keeps it whole (one buffer, one); tests/engine/test_parity.py checks that they differ.
 GEMMA4_TINY = dict(
     vocab_size=512,
     hidden_size=64,
@@ -19,7 +22,7 @@ GEMMA4_TINY = dict(
     head_dim=16,
     global_head_dim=32,
     sliding_window=16,
-    layer_types=[S, S, S, F, S, S, S, F],
+    layer_types=[S, S, F, F, S, S, S, F],
     num_kv_shared_layers=3,
     hidden_size_per_layer_input=16,
     vocab_size_per_layer_input=512,
@@ -36,11 +39,11 @@ DENSE_TINY = dict(
 )
 
 
-def gemma4_config(k_eq_v: bool = False):
+def gemma4_config(k_eq_v: bool = False, **kw):
     from transformers import Gemma4TextConfig
 
     extra = dict(attention_k_eq_v=True, num_global_key_value_heads=1) if k_eq_v else {}
-    return Gemma4TextConfig(**GEMMA4_TINY, max_position_embeddings=1024, **extra)
+    return Gemma4TextConfig(**(GEMMA4_TINY | dict(max_position_embeddings=1024) | extra | kw))
 
 
 def dense_config(config_class: str, **kw):
@@ -49,12 +52,12 @@ def dense_config(config_class: str, **kw):
     return getattr(transformers, config_class)(**(DENSE_TINY | kw))
 
 
-BUILDERS = {
+BUILDERS = {  # name -> config; keyword arguments override its fields (e.g. sliding_window)
     "gemma4": gemma4_config,
-    "gemma4_k_eq_v": lambda: gemma4_config(k_eq_v=True),
-    "llama": lambda: dense_config("LlamaConfig", rope_theta=10000.0),
-    "qwen3": lambda: dense_config("Qwen3Config", head_dim=16),
-    "mistral_sliding": lambda: dense_config("MistralConfig", head_dim=16, sliding_window=16),
+    "gemma4_k_eq_v": lambda **kw: gemma4_config(k_eq_v=True, **kw),
+    "llama": lambda **kw: dense_config("LlamaConfig", rope_theta=10000.0, **kw),
+    "qwen3": lambda **kw: dense_config("Qwen3Config", head_dim=16, **kw),
+    "mistral_sliding": lambda **kw: dense_config("MistralConfig", **(dict(head_dim=16, sliding_window=16) | kw)),
 }
 
 
@@ -81,11 +84,12 @@ def add_tokenizer(folder: Path, vocab_size: int = 512) -> Path:
     return folder
 
 
-def build(name: str, folder: Path, seed: int = 0) -> Path:
+def build(name: str, folder: Path, seed: int = 0, **config) -> Path:
+    """The random checkpoint `name` (a BUILDERS key), its config fields overridden by `config`, saved to `folder`."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(BUILDERS[name](), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(BUILDERS[name](**config), dtype=torch.float32)
     with torch.no_grad():  # random init is tiny; widen it so logits are not near-ties
         for p in model.parameters():
             if p.dim() >= 2:

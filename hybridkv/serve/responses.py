@@ -100,8 +100,8 @@ def sse(
                 lp = None
                 if u.logprobs is not None and token_text is not None:
                     lp = completion_logprobs(u.logprobs, token_text, offset)
+                    offset += sum(map(len, lp["tokens"]))  # token texts, as the full response counts them
                 choice = {"index": 0, "text": u.text, "logprobs": lp, "finish_reason": u.finish_reason}
-                offset += len(u.text)
             first = False
             yield f"data: {json.dumps(meta | {'choices': [choice]})}\n\n"
             if u.finished and usage:

@@ -1,6 +1,6 @@
 """Engine vs transformers in float32: logits of prefill and every decode step within 1e-4, greedy tokens equal,
-across layouts, batches of mixed lengths (shorter and longer than the window), prefix hits, chunked prefill and
-preemption. After every run the block pool is intact and empty."""
+across layouts, batches of mixed lengths (shorter and longer than the window), prefix hits, chunked prefill,
+preemption, and sliding windows that are not the block size. After every run the block pool is intact and empty."""
 
 from __future__ import annotations
 
@@ -116,6 +116,57 @@ def test_prefix_cache_hits(checkpoint, query_tile):
     outs2 = greedy(llm, p[1:])
     assert max(hits) >= 48
     check(folder, outs2, rec2, p[1:])
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """(model name, sliding window) -> a checkpoint of that model with that window, each built once."""
+    pytest.importorskip("transformers")
+    built = {}
+
+    def get(name: str, window: int):
+        if (name, window) not in built:
+            built[name, window] = build(name, tmp_path_factory.mktemp(f"{name}-w{window}"), sliding_window=window)
+        return built[name, window]
+
+    return get
+
+
+# (sliding window, block size, layout, step token budget): a window smaller than a block, one spanning blocks with
+# a remainder, and one not a multiple of the block size; chunked where windows slide inside a prefill.
+WINDOWS = [(7, 4, "per-layer", 10), (40, 16, "packed", 24), (7, 16, "packed", None)]
+
+
+@pytest.mark.parametrize(("window", "block_size", "layout", "budget"), WINDOWS)
+@pytest.mark.parametrize("name", ["gemma4", "mistral_sliding"])
+def test_sliding_windows_other_than_the_block_size(windowed, name, window, block_size, layout, budget):
+    folder = windowed(name, window)
+    p = prompts()
+    kw = {} if budget is None else dict(max_num_batched_tokens=budget, max_model_len=256)
+    llm, outs, rec = run_engine(folder, p, kv_layout=layout, block_size=block_size, **kw)
+    groups = llm.engine.kv.plan.groups
+    assert {g.sliding_window for g in groups} - {None} == {window} and {g.block_size for g in groups} == {block_size}
+    check(folder, outs, rec, p)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_the_tiny_gemma4_layouts_differ(tiny_gemma4, block_size):
+    """The layout parametrizations on the shared tiny Gemma 4 test something only while per-layer and packed
+    place its KV differently: per-layer in several buffers, more than one region per block of every group."""
+    config = load_hf_config(tiny_gemma4)
+    plans = {
+        layout: plan_from_hf_config(
+            config, CacheConfig(16 << 20, 256, kv_layout=layout), block_size=block_size, dtype="float32"
+        )
+        for layout in ("per-layer", "packed")
+    }
+    per_layer, packed = plans["per-layer"], plans["packed"]
+    assert len(per_layer.buffer_sizes) > 1 == len(packed.buffer_sizes)
+    for g in packed.groups:
+        assert per_layer.descriptors_per_block(g.group_id) > 1 == packed.descriptors_per_block(g.group_id)
+    # And it is still the model it stands for: sliding and full groups, two head sizes, KV-sharing layers.
+    assert {g.kind for g in packed.groups} == {"full_attention", "sliding_window"}
+    assert len({s.head_size for s in packed.specs if s is not None}) == 2 and packed.shared
 
 
 def test_preemption_under_a_small_kv_budget(checkpoint):

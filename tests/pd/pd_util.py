@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -42,6 +44,60 @@ def complete(url: str, prompt: str, max_tokens: int = 12, **extra) -> dict:
 
 def kv_state(p: Process) -> dict:
     return httpx.get(f"{p.url}/admin/kv", timeout=10).json()
+
+
+def metrics(p: Process) -> dict[str, float]:
+    """/metrics as name -> value (unlabelled samples only)."""
+    lines = httpx.get(f"{p.url}/metrics", timeout=10).text.splitlines()
+    return {line.split()[0]: float(line.split()[1]) for line in lines if line and line[0] != "#" and "{" not in line}
+
+
+def transfer_counters(decoder: Process) -> dict[str, float]:
+    """What shows that KV moved into `decoder`: its connector's reads, bytes and failures (/admin/kv), and the
+    engine's prompt tokens loaded by a connector instead of computed, and its failed loads (/metrics)."""
+    c, m = kv_state(decoder)["connector"], metrics(decoder)
+    return {
+        "reads": c["kv_transfer_reads"],
+        "bytes": c["kv_transfer_bytes"],
+        "failures": c["kv_transfer_failures"],
+        "external_hit_tokens": m["hybridkv_external_hit_tokens_total"],
+        "load_failures": m["hybridkv_kv_load_failures_total"],
+    }
+
+
+def check_transfers(delta: dict[str, float], reads: int | None, at_least: int, failures: int) -> None:
+    assert delta["failures"] == delta["load_failures"] == failures, delta
+    if reads == 0:
+        assert delta["reads"] == delta["bytes"] == delta["external_hit_tokens"] == 0, delta
+        return
+    if reads is not None:
+        assert delta["reads"] == reads, delta
+    assert delta["reads"] >= at_least, delta
+    assert delta["bytes"] > 0 and delta["external_hit_tokens"] >= delta["reads"], delta  # each read loads tokens
+
+
+@contextmanager
+def transfers(decoder: Process, reads: int | None = None, at_least: int = 1, failures: int = 0) -> Iterator[dict]:
+    """Checks, around the block, that the KV really moved into `decoder` (outputs alone cannot tell: a request
+    whose load failed recomputes to the same text). `reads` exact, else at least `at_least`: as many reads, bytes
+    read and prompt tokens loaded instead of computed; `failures` exactly (connector and engine counts). With
+    reads=0 nothing was read or loaded. Yields the deltas, filled in when the block ends.
+
+    /metrics shows a snapshot the engine thread publishes when it goes idle: the check waits a little for it,
+    then retries for up to 3 s before it fails."""
+    before, delta = transfer_counters(decoder), {}
+    yield delta
+    time.sleep(0.1)
+    deadline = time.monotonic() + 3
+    while True:
+        delta.update({k: v - before[k] for k, v in transfer_counters(decoder).items()})
+        try:
+            check_transfers(delta, reads, at_least, failures)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.1)
 
 
 def assert_clean(*servers: Process, timeout: float = 10) -> None:

@@ -1,6 +1,7 @@
 """Transfer descriptors and compatibility, from plans alone: no NIXL, no processes."""
 
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -26,23 +27,57 @@ def owner_bytes(p, group: int) -> int:
     return sum(p.groups[group].pages)
 
 
+def pages(p, where: Placement, moves, side: int) -> dict[int, tuple[int, int, int]]:
+    """Start address -> (layer, block, length) of every page the moves name on one side (side 1: the local block
+    of each move, 2: the remote one). Every such page must have an address range of its own there."""
+    out: dict[int, tuple[int, int, int]] = {}
+    for move in moves:
+        group, block = p.groups[move[0]], move[side]
+        for layer, length in zip(group.layers, group.pages, strict=True):
+            base, stride = where.layers[layer]
+            out[base + block * stride] = (layer, block, length)
+    spans = sorted((a, a + n) for a, (_, _, n) in out.items())
+    assert len(out) == sum(len(p.groups[m[0]].layers) for m in moves)
+    assert all(end <= nxt for (_, end), (nxt, _) in pairwise(spans)), "pages overlap: the test proves nothing"
+    return out
+
+
+def split(descriptor, side_pages: dict[int, tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The (layer, block) pages one descriptor (address, length, device) covers, in address order."""
+    at, end, out = int(descriptor[0]), int(descriptor[0]) + int(descriptor[1]), []
+    while at < end:
+        assert at in side_pages, f"descriptor {descriptor} reaches {at:#x}: no page the moves name starts there"
+        layer, block, length = side_pages[at]
+        out.append((layer, block))
+        at += length
+    assert at == end, f"descriptor {descriptor} ends inside the page of layer {layer}"
+    return out
+
+
 @pytest.mark.parametrize(
-    ("mine", "theirs"), [("packed", "packed"), ("per-layer", "per-layer"), ("packed", "per-layer")]
+    ("mine", "theirs"),
+    [("packed", "packed"), ("per-layer", "per-layer"), ("packed", "per-layer"), ("per-layer", "packed")],
 )
 def test_every_owner_page_moves_once_and_pairs_with_the_same_layer(mine, theirs):
+    """Rebuild, from each descriptor, which (layer, block) pages it covers locally and remotely: the same layers,
+    in the same order, each local block with the remote block its move names, every owner page exactly once."""
     local, remote = plan(mine), plan(theirs)
-    moves = [(g.group_id, 5 + g.group_id, 9 + 2 * g.group_id) for g in local.groups]
-    d = pair_descriptors(local, placement(local, 1 << 40), placement(remote, 1 << 44), moves)
+    here, there = placement(local, 1 << 40), placement(remote, 1 << 44)
+    moves = []
+    for g in local.groups:  # two consecutive blocks on both sides (they may merge), and one apart
+        gid = g.group_id
+        moves += [(gid, 5 + 3 * gid, 9 + 2 * gid), (gid, 6 + 3 * gid, 10 + 2 * gid), (gid, 20 + gid, 40 + 3 * gid)]
+    d = pair_descriptors(local, here, there, moves)
     assert d.nbytes == sum(owner_bytes(local, g) for g, _, _ in moves)
     assert np.array_equal(d.local[:, 1], d.remote[:, 1])
-    # Rebuild the page list from the descriptors: every (layer, block) page appears exactly once on both sides.
-    expected_local, expected_remote = set(), set()
-    for g, lb, rb in moves:
-        for layer in local.groups[g].layers:
-            expected_local.add(placement(local, 1 << 40).layers[layer][0] + lb * local.tensor_of(layer).block_stride)
-            expected_remote.add(placement(remote, 1 << 44).layers[layer][0] + rb * remote.tensor_of(layer).block_stride)
-    starts = {int(a) for a in d.local[:, 0]}
-    assert starts <= expected_local and {int(a) for a in d.remote[:, 0]} <= expected_remote
+    mine_pages, their_pages = pages(local, here, moves, 1), pages(remote, there, moves, 2)
+    covered = []
+    for ld, rd in zip(d.local, d.remote, strict=True):
+        lp, rp = split(ld, mine_pages), split(rd, their_pages)
+        assert [layer for layer, _ in lp] == [layer for layer, _ in rp], (ld, rd)  # page i pairs with page i
+        covered += [(layer, lb, rb) for (layer, lb), (_, rb) in zip(lp, rp, strict=True)]
+    expected = [(layer, lb, rb) for g, lb, rb in moves for layer in local.groups[g].layers]
+    assert sorted(covered) == sorted(expected)  # each (layer, local block, remote block) exactly once
 
 
 def test_packed_moves_one_descriptor_per_block_and_merges_consecutive_blocks():

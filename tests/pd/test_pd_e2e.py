@@ -21,10 +21,12 @@ from tests.pd.pd_util import (
     assert_clean,
     complete,
     kv_state,
+    metrics,
     prefill_only,
     proxy,
     server,
     single_instance,
+    transfers,
 )
 from tests.procs import Process
 
@@ -58,18 +60,15 @@ def through_proxy_equals_single_instance(model: str, x: Process, prompts: list[s
 
 def test_embedded_model_through_the_proxy_equals_one_instance(embedded):
     p, d, x = embedded
-    before = kv_state(d)["connector"]
     prompts = [it["prompt"] for it in HELDOUT[:6]] + SHORT
-    through_proxy_equals_single_instance(str(DEFAULT_MODEL_DIR), x, prompts)
-    after = kv_state(d)["connector"]
-    assert after["kv_transfer_reads"] - before["kv_transfer_reads"] >= 6  # the long prompts were read, not recomputed
-    assert after["kv_transfer_failures"] == before["kv_transfer_failures"]
+    with transfers(d, at_least=6) as first:  # the long prompts were read, not recomputed
+        through_proxy_equals_single_instance(str(DEFAULT_MODEL_DIR), x, prompts)
     assert_clean(p, d)
     # Again: the decoder's own prefix cache now holds these prompts' whole blocks; it pulls only the partial
     # last block of each (at most one block per group), not the prompt.
-    through_proxy_equals_single_instance(str(DEFAULT_MODEL_DIR), x, prompts[:3])
-    again = kv_state(d)["connector"]["kv_transfer_bytes"] - after["kv_transfer_bytes"]
-    assert 0 < again < 0.1 * (after["kv_transfer_bytes"] - before["kv_transfer_bytes"])
+    with transfers(d) as again:
+        through_proxy_equals_single_instance(str(DEFAULT_MODEL_DIR), x, prompts[:3])
+    assert again["bytes"] < 0.1 * first["bytes"]
     assert_clean(p, d, timeout=2)
 
 
@@ -78,7 +77,8 @@ def test_mixed_layouts_packed_prefill_to_per_layer_decode(embedded):
     p = server(str(DEFAULT_MODEL_DIR), "packed")
     x = proxy(p, d)
     try:
-        through_proxy_equals_single_instance(str(DEFAULT_MODEL_DIR), x, [it["prompt"] for it in HELDOUT[6:10]])
+        with transfers(d, reads=4):
+            through_proxy_equals_single_instance(str(DEFAULT_MODEL_DIR), x, [it["prompt"] for it in HELDOUT[6:10]])
         assert_clean(p, d)
     finally:
         x.stop()
@@ -92,8 +92,8 @@ def test_tiny_gemma4_with_kv_sharing_into_a_packed_decoder(tiny_gemma4, prefill_
     x = proxy(p, d)
     try:
         prompts = ["the quick brown fox " * n for n in (1, 3, 9, 20)]  # 4 to ~80 tokens: around the window
-        through_proxy_equals_single_instance(folder, x, prompts)
-        assert kv_state(d)["connector"]["kv_transfer_reads"] >= 3
+        with transfers(d, at_least=3):
+            through_proxy_equals_single_instance(folder, x, prompts)
         assert_clean(p, d)
     finally:
         for proc in (x, p, d):
@@ -113,7 +113,8 @@ def test_lm_eval_through_the_proxy_scores_the_single_instance_score(embedded, tm
     outs = llm.generate([it["prompt"] for it in items], SamplingParams(max_tokens=8, temperature=0, stop=["\n"]))
     single = sum(score(o.outputs[0].text, it["answer"]) for o, it in zip(outs, items)) / len(items)
     p, d, x = embedded
-    assert lm_eval_server_accuracy(x.url, DEFAULT_MODEL_DIR.name, data) == pytest.approx(single) and single >= 0.9
+    with transfers(d, at_least=18):  # at least the 18 prompts new to this decoder are read
+        assert lm_eval_server_accuracy(x.url, DEFAULT_MODEL_DIR.name, data) == pytest.approx(single) and single >= 0.9
     assert_clean(p, d)
 
 
@@ -124,15 +125,13 @@ def test_an_expired_lease_frees_prefill_and_the_decoder_recomputes(embedded):
     assert kv_state(p)["blocks_used"] > 0  # held under the lease
     time.sleep(3.5)
     assert kv_state(p)["blocks_used"] == 0 and kv_state(p)["connector"]["kv_leases_expired_total"] >= 1
-    before = kv_state(d)["connector"]
     start = time.monotonic()
-    out = complete(d.url, prompt, kv_transfer_params=params)  # the blocks may be reused: never trust them
-    assert out["choices"][0]["text"] == single_instance(str(DEFAULT_MODEL_DIR), [prompt])[0]
-    after = kv_state(d)["connector"]
     # The decoder confirms the lease before reading: it had ended, so no read starts (one would wait for its
     # timeout, as the prefill no longer drives the transfer) and the request recomputes at once.
-    assert after["kv_transfer_failures"] == before["kv_transfer_failures"] + 1
-    assert after["kv_transfer_reads"] == before["kv_transfer_reads"] and time.monotonic() - start < 5
+    with transfers(d, reads=0, failures=1):
+        out = complete(d.url, prompt, kv_transfer_params=params)  # the blocks may be reused: never trust them
+    assert time.monotonic() - start < 5
+    assert out["choices"][0]["text"] == single_instance(str(DEFAULT_MODEL_DIR), [prompt])[0]
     assert_clean(p, d)
 
 
@@ -142,7 +141,8 @@ def test_prefill_dying_after_prefill_makes_the_decoder_recompute(embedded):
     prompt = HELDOUT[21]["prompt"]
     params = prefill_only(p, prompt)
     p.kill()
-    out = complete(d.url, prompt, kv_transfer_params=params)
+    with transfers(d, reads=0, failures=1):
+        out = complete(d.url, prompt, kv_transfer_params=params)
     assert out["choices"][0]["text"] == single_instance(str(DEFAULT_MODEL_DIR), [prompt])[0]
     assert_clean(d)
     p.stop()
@@ -155,13 +155,15 @@ def test_prefill_frozen_then_killed_mid_transfer_makes_the_decoder_recompute(emb
     p = server(str(DEFAULT_MODEL_DIR))
     try:
         warm = HELDOUT[24]["prompt"]  # first request: the handshake is done before the freeze
-        assert complete(d.url, warm, kv_transfer_params=prefill_only(p, warm))["choices"]
+        with transfers(d, reads=1):
+            assert complete(d.url, warm, kv_transfer_params=prefill_only(p, warm))["choices"]
         prompt = HELDOUT[25]["prompt"]
         params = prefill_only(p, prompt)
         p.proc.send_signal(signal.SIGSTOP)
         killer = threading.Timer(1.0, p.kill)
         killer.start()
-        out = complete(d.url, prompt, kv_transfer_params=params)
+        with transfers(d, reads=0, failures=1):  # the lease could not be confirmed: nothing was read
+            out = complete(d.url, prompt, kv_transfer_params=params)
         killer.join()
         assert out["choices"][0]["text"] == single_instance(str(DEFAULT_MODEL_DIR), [prompt])[0]
         assert_clean(d)
@@ -186,11 +188,12 @@ def test_incompatible_peer_is_refused_with_a_clear_error_under_policy_fail(embed
     d = server(str(DEFAULT_MODEL_DIR), "per-layer", "--dtype", "bfloat16", kv_load_failure_policy="fail")
     try:
         prompt = HELDOUT[23]["prompt"]
-        r = httpx.post(
-            f"{d.url}/v1/completions",
-            json={"prompt": prompt, "max_tokens": 4, "kv_transfer_params": prefill_only(p, prompt)},
-            timeout=60,
-        )
+        with transfers(d, reads=0, failures=1):
+            r = httpx.post(
+                f"{d.url}/v1/completions",
+                json={"prompt": prompt, "max_tokens": 4, "kv_transfer_params": prefill_only(p, prompt)},
+                timeout=60,
+            )
         assert r.status_code == 502 and "incompatible KV" in r.json()["error"]["message"]
         assert "refused a handshake" in p.output()
         assert_clean(p, d)
@@ -213,7 +216,8 @@ def test_a_request_the_decoder_refuses_releases_the_prefill_lease(embedded):
     p, d, x = embedded
     for stream in (False, True):
         body = {"prompt": HELDOUT[31]["prompt"], "max_tokens": 2, "min_tokens": 5, "stream": stream}
-        r = httpx.post(f"{x.url}/v1/completions", json=body, timeout=60)
+        with transfers(d, reads=0):  # refused before any transfer: nothing read, nothing failed
+            r = httpx.post(f"{x.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 400 and "min_tokens" in r.text
         assert kv_state(p)["blocks_used"] == 0
     assert_clean(p, d)
@@ -227,8 +231,7 @@ def test_a_side_channel_port_in_use_is_a_clear_start_up_error(embedded):
 
 
 def prompt_tokens(p: Process) -> float:
-    text = httpx.get(f"{p.url}/metrics", timeout=10).text
-    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("hybridkv_prompt_tokens_total")))
+    return metrics(p)["hybridkv_prompt_tokens_total"]
 
 
 def test_the_proxy_round_robins_over_prefill_instances(embedded):
@@ -238,7 +241,8 @@ def test_the_proxy_round_robins_over_prefill_instances(embedded):
     try:
         assert httpx.get(f"{x.url}/health").json()["prefill"] == [p.url, p2.url]
         before = prompt_tokens(p), prompt_tokens(p2)
-        through_proxy_equals_single_instance(str(DEFAULT_MODEL_DIR), x, [it["prompt"] for it in HELDOUT[40:44]])
+        with transfers(d, reads=4):
+            through_proxy_equals_single_instance(str(DEFAULT_MODEL_DIR), x, [it["prompt"] for it in HELDOUT[40:44]])
         assert prompt_tokens(p) > before[0] and prompt_tokens(p2) > before[1]
         assert_clean(p, p2, d)
     finally:
