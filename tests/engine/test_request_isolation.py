@@ -4,6 +4,7 @@ fails anyway fails alone while the others in its steps produce exactly what they
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.request import RequestStatus
@@ -21,6 +22,7 @@ POISON = [
     SamplingParams(max_tokens=8, ignore_eos=True, top_p=1e-300, seed=5),
     SamplingParams(max_tokens=8, ignore_eos=True, repetition_penalty=1e-300, seed=6),
     SamplingParams(max_tokens=8, ignore_eos=True, repetition_penalty=1e300, temperature=1e-4, seed=7),
+    SamplingParams(max_tokens=8, ignore_eos=True, repetition_penalty=1e-300, temperature=1e-4, seed=9),
     SamplingParams(max_tokens=8, ignore_eos=True, temperature=100, top_k=1, seed=8),
 ]
 
@@ -64,3 +66,11 @@ def test_a_request_whose_sampling_fails_fails_alone(llm, monkeypatch):
     assert bad.status is RequestStatus.FINISHED_ERROR and "sampling failed: RuntimeError" in bad.error
     engine.kv.check_integrity()
     assert engine.kv.pool.num_used_blocks == 0
+
+
+def test_no_penalty_makes_a_logit_nan_that_greedy_would_pick():
+    """0 x inf: a seen token whose logit is exactly 0 under a 1e300 repetition penalty (inf in float32) is nan,
+    which argmax takes for the largest; it must be the least likely instead."""
+    logits = torch.tensor([[0.0, 1.0, -1.0, 2.0]])
+    p = SamplingParams(temperature=0, repetition_penalty=1e300)
+    assert sampler.sample(logits, [p], [None], history=[([0], [])]) == [3]
