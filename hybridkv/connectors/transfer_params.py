@@ -110,9 +110,6 @@ class RemoteBatch:
 
     items: tuple[RemotePrefill | None, ...]
 
-    def to_json(self) -> dict[str, Any]:
-        return batch_json([None if p is None else p.to_json() for p in self.items])
-
 
 def batch_json(items: list[dict[str, Any] | None]) -> dict[str, Any]:
     """One kv_transfer_params object for a batch, as routers pass it on unread."""

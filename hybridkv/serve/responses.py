@@ -75,7 +75,7 @@ def completion_logprobs(
 
 def sse(
     updates: AsyncIterator[Update],
-    meta: dict,
+    head: dict,
     chat: bool,
     usage: bool,
     token_text: Callable[[int], str] | None = None,
@@ -103,9 +103,9 @@ def sse(
                     offset += sum(map(len, lp["tokens"]))  # token texts, as the full response counts them
                 choice = {"index": 0, "text": u.text, "logprobs": lp, "finish_reason": u.finish_reason}
             first = False
-            yield f"data: {json.dumps(meta | {'choices': [choice]})}\n\n"
+            yield f"data: {json.dumps(head | {'choices': [choice]})}\n\n"
             if u.finished and usage:
                 counts = {"prompt_tokens": u.num_prompt_tokens, "completion_tokens": u.num_output_tokens}
-                yield f"data: {json.dumps(meta | {'choices': [], 'usage': usage_of(counts)})}\n\n"
+                yield f"data: {json.dumps(head | {'choices': [], 'usage': usage_of(counts)})}\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

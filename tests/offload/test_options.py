@@ -85,3 +85,13 @@ def test_serve_flags(monkeypatch):
     both = ["serve", "--kv-offload-cpu", "4GiB", "--kv-transfer-config", '{"kv_connector": "NixlConnector"}']
     r = runner.invoke(app, both)
     assert r.exit_code == 2 and "both pick a connector" in r.output
+
+
+def test_kv_transfer_params_to_a_connector_that_takes_none_are_a_clear_error():
+    """An offloading server is no PD instance: params sent to it are refused, not silently dropped."""
+    from hybridkv import LLM, SamplingParams
+
+    llm = LLM(kv_offload_cpu="4MiB", kv_cache_memory="4MiB", max_model_len=256)
+    with pytest.raises(ValueError, match="takes none"):
+        llm.engine.add_request("hi", SamplingParams(max_tokens=1), kv_transfer_params={"do_remote_decode": True})
+    assert llm.engine.accept_transfer_params(None, 3) == [None, None, None]
