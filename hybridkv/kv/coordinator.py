@@ -8,13 +8,16 @@ from dataclasses import dataclass
 
 from hybridkv.kv.block_pool import Block, BlockPool
 from hybridkv.kv.hashing import BlockHash
-from hybridkv.kv.managers import MANAGERS, GroupManager
+from hybridkv.kv.kinds import manager_for
+from hybridkv.kv.managers import GroupManager
 from hybridkv.kv.plan import KVPlan
+from hybridkv.kv.prefix import common_resume_block, reusable_tokens
 
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """A cached prefix every group accepts: `num_tokens` tokens, and per group the blocks that cover them."""
+    """A cached prefix every group accepts: `num_tokens` tokens, and per group the blocks that cover them (the
+    null block before the group's first needed block)."""
 
     num_tokens: int
     blocks: tuple[tuple[Block, ...], ...]
@@ -31,7 +34,7 @@ class KVCacheCoordinator:
         self.plan = plan
         self.block_size = plan.block_size
         self.pool = BlockPool(plan.num_blocks, enable_caching=enable_prefix_caching)
-        self.managers: list[GroupManager] = [MANAGERS[g.kind](g, self.pool) for g in plan.groups]
+        self.managers: list[GroupManager] = [manager_for(g.spec)(g, self.pool) for g in plan.groups]
 
     @property
     def num_groups(self) -> int:
@@ -43,17 +46,21 @@ class KVCacheCoordinator:
 
     def find_cached_prefix(self, hashes: Sequence[BlockHash], num_tokens: int) -> PrefixHit:
         """The longest prefix, in whole blocks, that every group has cached. At least one token of the
-        request is left to compute, so the hit ends before its last token."""
+        request is left to compute (`reusable_tokens`), so the hit ends before its last token."""
         if not self.pool.enable_caching:
             return PrefixHit.empty(self.num_groups)
-        length = min(len(hashes), (num_tokens - 1) // self.block_size)
-        # Fixed point: each group shortens the candidate until all accept the same length.
-        while True:
-            hits = [m.find_longest_hit(hashes, length) for m in self.managers]
-            shortest = min(len(h) for h in hits)
-            if shortest == length:
-                return PrefixHit(length * self.block_size, tuple(tuple(h) for h in hits))
-            length = shortest
+        end = min(len(hashes), reusable_tokens(num_tokens) // self.block_size)
+        found: dict[tuple[int, int], Block | None] = {}  # (group, block index) -> cached block: one lookup each
+
+        def lookup(g: int, i: int) -> Block | None:
+            if (g, i) not in found:
+                found[g, i] = self.pool.get_cached_block(hashes[i], self.managers[g].group_id)
+            return found[g, i]
+
+        specs = [m.spec for m in self.managers]
+        k = common_resume_block(specs, lambda g, i: lookup(g, i) is not None, 0, end)
+        blocks = tuple(tuple(m.hit_blocks(k, lambda i, g=g: lookup(g, i))) for g, m in enumerate(self.managers))
+        return PrefixHit(k * self.block_size, blocks)
 
     def allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make every group's table for `req_id` cover tokens [0, num_tokens). Tokens [0, num_computed_tokens)

@@ -1,13 +1,15 @@
 """Per-group managers: which blocks one KV cache group holds for each request.
 
 A request's table in a group has one entry per block of tokens [0, num_tokens): entry i covers tokens
-[i * bs, (i + 1) * bs). Entries no future token reads (left the sliding window) are the null block, and they are
-always the table's first entries: no block is held before a null entry (`remove_skipped_blocks` relies on it).
+[i * bs, (i + 1) * bs). Entries no future token reads (before the spec's `first_needed_block`) are the null
+block, and they are always the table's first entries: no block is held before a null entry
+(`remove_skipped_blocks` relies on it). Everything kind-specific comes from the group's spec; `kinds` pairs each
+spec class with its manager class.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hybridkv.kv.block_pool import Block, BlockPool
 from hybridkv.kv.hashing import BlockHash
@@ -16,7 +18,10 @@ from hybridkv.kv.spec import cdiv
 
 
 class GroupManager:
-    """Blocks of one group. Subclasses define which cached prefixes are usable and which blocks can go."""
+    """Blocks of one group: the block-table manager of the attention kinds, generic through `self.spec` (which
+    cached prefixes are usable: `resume_block`; which blocks can go: `first_needed_block`). A kind whose blocks
+    behave otherwise subclasses it and registers the subclass in `kinds`; the coordinator calls only these
+    methods and reads `tables` / `ids`."""
 
     def __init__(self, group: KVGroup, pool: BlockPool) -> None:
         self.group_id = group.group_id
@@ -29,28 +34,59 @@ class GroupManager:
 
     def find_longest_hit(self, hashes: Sequence[BlockHash], max_blocks: int) -> list[Block]:
         """Blocks for the longest cached prefix of at most `max_blocks` blocks that this group can resume
-        from; entries the next token never reads may be the null block."""
-        raise NotImplementedError
+        from; entries the next token never reads are the null block."""
+        found: dict[int, Block | None] = {}  # block index -> the pool's cached block, asked once each
+
+        def lookup(i: int) -> Block | None:
+            if i not in found:
+                found[i] = self.pool.get_cached_block(hashes[i], self.group_id) if i < len(hashes) else None
+            return found[i]
+
+        k = self.spec.resume_block(lambda i: lookup(i) is not None, 0, max_blocks)
+        return self.hit_blocks(k, lookup)
+
+    def hit_blocks(self, num_blocks: int, lookup: Callable[[int], Block | None]) -> list[Block]:
+        """The table of a hit of `num_blocks` blocks the spec accepted: the null block before the first block the
+        next token reads, then `lookup(i)` (a cached block, present for every i the hit needs)."""
+        first = self.spec.first_needed_block(num_blocks * self.block_size)  # <= num_blocks
+        hit = [self.pool.null_block] * first
+        for i in range(first, num_blocks):
+            block = lookup(i)
+            assert block is not None, f"group {self.group_id}: a hit of {num_blocks} blocks lacks block {i}"
+            hit.append(block)
+        return hit
 
     def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
-        """Free blocks that no token after `num_computed_tokens` reads, replacing them with the null block."""
+        """Free blocks that no token after `num_computed_tokens` reads, replacing them with the null block
+        (nothing for full attention, whose first needed block is always 0)."""
+        table = self.tables.get(req_id)
+        if not table:
+            return
+        skipped = min(self.spec.first_needed_block(num_computed_tokens), len(table))
+        null = self.pool.null_block
+        freed = []
+        ids = self.ids[req_id]
+        for i in range(skipped - 1, -1, -1):  # entries [0, skipped), right to left
+            if table[i] is null:
+                break  # everything before was released earlier
+            freed.append(table[i])
+            table[i] = null
+            ids[i] = null.block_id
+        self.pool.free_blocks(freed)
 
     def num_blocks_to_allocate(
         self, req_id: str, num_tokens: int, hit: Sequence[Block], num_computed_tokens: int = 0
     ) -> int:
         """Free-queue blocks needed to cover `num_tokens` tokens: new blocks plus hit blocks that sit in the
         free queue (a hit revives them). Entries no token after `num_computed_tokens` reads take no block."""
-        held = max(len(self.tables.get(req_id, ())) + len(hit), self._first_needed(num_computed_tokens))
+        held = max(len(self.tables.get(req_id, ())) + len(hit), self.spec.first_needed_block(num_computed_tokens))
         revived = sum(1 for b in hit if b.ref_cnt == 0 and b is not self.pool.null_block)
         return max(0, cdiv(num_tokens, self.block_size) - held) + revived
-
-    def _first_needed(self, num_computed_tokens: int) -> int:
-        return self.spec.num_skipped_tokens(num_computed_tokens) // self.block_size
 
     def usable_hit(self, hit: Sequence[Block], num_computed_tokens: int) -> list[Block]:
         """`hit` with the null block where no token after `num_computed_tokens` reads: a connector load that
         extends the hit past a sliding window leaves the hit's own window unread, so it takes no block."""
-        first = min(self._first_needed(num_computed_tokens), len(hit))
+        first = min(self.spec.first_needed_block(num_computed_tokens), len(hit))
         return [self.pool.null_block] * first + list(hit[first:])
 
     def add_hit_blocks(self, req_id: str, hit: Sequence[Block]) -> None:
@@ -66,7 +102,7 @@ class GroupManager:
         table = self.tables.setdefault(req_id, [])
         ids = self.ids.setdefault(req_id, [])
         self.num_cached.setdefault(req_id, 0)
-        skipped = min(self._first_needed(num_computed_tokens), cdiv(num_tokens, self.block_size))
+        skipped = min(self.spec.first_needed_block(num_computed_tokens), cdiv(num_tokens, self.block_size))
         if len(table) < skipped:
             ids.extend([self.pool.null_block.block_id] * (skipped - len(table)))
             table.extend([self.pool.null_block] * (skipped - len(table)))
@@ -98,60 +134,5 @@ class GroupManager:
         table = self.tables.get(req_id)
         if table is None or cdiv(num_tokens, self.block_size) > len(table):
             return True
-        skipped = self._first_needed(num_computed_tokens)
+        skipped = self.spec.first_needed_block(num_computed_tokens)
         return 0 < skipped <= len(table) and table[skipped - 1] is not self.pool.null_block
-
-
-class FullAttentionManager(GroupManager):
-    def find_longest_hit(self, hashes: Sequence[BlockHash], max_blocks: int) -> list[Block]:
-        hit: list[Block] = []
-        for h in hashes[:max_blocks]:
-            block = self.pool.get_cached_block(h, self.group_id)
-            if block is None:
-                break
-            hit.append(block)
-        return hit
-
-
-class SlidingWindowManager(GroupManager):
-    def find_longest_hit(self, hashes: Sequence[BlockHash], max_blocks: int) -> list[Block]:
-        # Resuming at block h reads tokens [h*bs - W + 1, h*bs): the last `need` blocks before h.
-        assert self.spec.window_tokens is not None
-        need = cdiv(self.spec.window_tokens - 1, self.block_size)
-        null = self.pool.null_block
-        hit = [null] * max_blocks
-        if need == 0:
-            return hit
-        run = 0
-        for i in range(min(max_blocks, len(hashes)) - 1, -1, -1):  # right to left
-            block = self.pool.get_cached_block(hashes[i], self.group_id)
-            if block is None:
-                run = 0
-                continue
-            hit[i] = block
-            run += 1
-            if run == need:
-                return hit[: i + need]
-        return hit[:run]  # the run that starts at block 0: no earlier tokens exist
-
-    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
-        table = self.tables.get(req_id)
-        if not table:
-            return
-        skipped = min(self.spec.num_skipped_tokens(num_computed_tokens) // self.block_size, len(table))
-        null = self.pool.null_block
-        freed = []
-        ids = self.ids[req_id]
-        for i in range(skipped - 1, -1, -1):
-            if table[i] is null:
-                break  # everything before was released earlier
-            freed.append(table[i])
-            table[i] = null
-            ids[i] = null.block_id
-        self.pool.free_blocks(freed)
-
-
-MANAGERS: dict[str, type[GroupManager]] = {
-    "full_attention": FullAttentionManager,
-    "sliding_window": SlidingWindowManager,
-}

@@ -13,14 +13,15 @@ from typing import Any
 
 import torch
 
-from hybridkv.kv.spec import FullAttentionSpec, KVSpec, SlidingWindowSpec, resolve_dtype
+from hybridkv.kv.kinds import cache_kind
+from hybridkv.kv.spec import KVSpec, resolve_dtype
 
 
 @dataclass(frozen=True)
 class LayerAttn:
     """Attention shape of one layer, before block size and dtype are chosen."""
 
-    kind: str  # "full_attention" | "sliding_window"
+    kind: str  # a name in `kinds.CACHE_KINDS`: "full_attention" | "sliding_window"
     num_kv_heads: int
     head_size: int
     sliding_window: int | None = None
@@ -190,11 +191,6 @@ MODEL_READERS: dict[str, Callable[[Mapping[str, Any]], tuple[list[LayerAttn], di
     "gemma4": _gemma4,
 }
 
-_SPEC_CLASSES: dict[str, Callable[..., KVSpec]] = {
-    "full_attention": lambda a, **kw: FullAttentionSpec(**kw),
-    "sliding_window": lambda a, **kw: SlidingWindowSpec(sliding_window=a.sliding_window, **kw),
-}
-
 
 def model_kv_from_hf(cfg: Mapping[str, Any], *, block_size: int = 16, dtype: str | torch.dtype = "bfloat16") -> ModelKV:
     """Per-layer specs for a Hugging Face config dict. Unknown model types are an error naming the known ones."""
@@ -207,11 +203,7 @@ def model_kv_from_hf(cfg: Mapping[str, Any], *, block_size: int = 16, dtype: str
         raise ValueError(f"config of model_type {model_type!r} lacks the field {e.args[0]!r}") from e
     torch_dtype = resolve_dtype(dtype)
     specs = tuple(
-        None
-        if i in shared
-        else _SPEC_CLASSES[a.kind](
-            a, num_kv_heads=a.num_kv_heads, head_size=a.head_size, dtype=torch_dtype, block_size=block_size
-        )
+        None if i in shared else cache_kind(a.kind).spec.from_layer(a, dtype=torch_dtype, block_size=block_size)
         for i, a in enumerate(layers)
     )
     return ModelKV(model_type=model_type, specs=specs, shared=shared)

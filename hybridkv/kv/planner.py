@@ -48,8 +48,8 @@ def _buckets(model: ModelKV) -> list[Bucket]:
         spec = model.specs[layer]
         assert spec is not None
         by_key.setdefault(spec.group_key, []).append((layer, spec))
-    # Full attention first, then by first layer: group ids are stable and readable.
-    return sorted(by_key.values(), key=lambda b: (b[0][1].kind != "full_attention", b[0][0]))
+    # By the kind's plan order (full attention first), then by first layer: group ids are stable and readable.
+    return sorted(by_key.values(), key=lambda b: (b[0][1].plan_order, b[0][0]))
 
 
 def _pack(bucket: Bucket, capacity: int) -> list[Bucket]:

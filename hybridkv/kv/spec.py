@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from hybridkv.kv.model_kv import LayerAttn
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -40,7 +44,9 @@ def cdiv(a: int, b: int) -> int:
 class KVSpec:
     """One layer's KV shape. A page is one block of this layer: K and V for `block_size` tokens."""
 
-    kind: ClassVar[str] = "abstract"
+    kind: ClassVar[str] = "abstract"  # the name its entry in `kinds.CACHE_KINDS` goes by
+    # Planner order of the groups (ties by first layer): full attention first, so group ids are stable.
+    plan_order: ClassVar[int] = 1
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
@@ -80,10 +86,50 @@ class KVSpec:
         """Tokens at the front that no future token reads: their blocks can be freed."""
         return 0
 
+    def first_needed_block(self, num_tokens: int) -> int:
+        """Index of the first block that a token after the first `num_tokens` tokens reads: table entries
+        [0, this) take no block (the null block). Invariants the hit search relies on: nondecreasing in
+        `num_tokens`, and first_needed_block(k * block_size) <= k."""
+        return self.num_skipped_tokens(num_tokens) // self.block_size
+
+    def resume_block(self, held: Callable[[int], bool], start: int, end: int) -> int:
+        """The largest k in [start, end] such that `held(i)` for every block i in
+        [max(start, first_needed_block(k * block_size)), k): a request whose blocks [0, start) are present can
+        resume at block k when the blocks it reads in [start, k) are held. k = start always qualifies.
+
+        Right to left, asking each block at most once: candidate k fails at its rightmost missing block m, and so
+        does every candidate in (m, k) (their needed ranges start no later than k's), so the next candidate is m.
+        Subclasses may scan otherwise when that asks fewer blocks; the answer must stay this one."""
+        assert 0 <= start <= end, f"resume range [{start}, {end}] is empty"
+        k = lo = end  # invariant: start <= lo <= k and blocks [lo, k) are held
+        while True:
+            first = max(start, self.first_needed_block(k * self.block_size))
+            while lo > first and held(lo - 1):
+                lo -= 1
+            if lo <= first:
+                return k
+            k = lo = lo - 1  # block lo - 1 is missing
+
+    @classmethod
+    def from_layer(cls, layer: LayerAttn, *, dtype: torch.dtype, block_size: int) -> KVSpec:
+        """The spec of one model layer (`model_kv` reads it from the config); kinds take the fields they need."""
+        return cls(num_kv_heads=layer.num_kv_heads, head_size=layer.head_size, dtype=dtype, block_size=block_size)
+
 
 @dataclass(frozen=True, kw_only=True)
 class FullAttentionSpec(KVSpec):
+    """A token attends to every token before it: no block is ever skipped."""
+
     kind: ClassVar[str] = "full_attention"
+    plan_order: ClassVar[int] = 0
+
+    def resume_block(self, held: Callable[[int], bool], start: int, end: int) -> int:
+        # Every block in [start, k) is read: the first missing block ends the hit, so scan left to right.
+        assert 0 <= start <= end, f"resume range [{start}, {end}] is empty"
+        k = start
+        while k < end and held(k):
+            k += 1
+        return k
 
     def blocks_held(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -97,6 +143,7 @@ class SlidingWindowSpec(KVSpec):
     """A token attends to itself and the `sliding_window - 1` tokens before it."""
 
     kind: ClassVar[str] = "sliding_window"
+    plan_order: ClassVar[int] = 1
     sliding_window: int
 
     def __post_init__(self) -> None:
@@ -119,5 +166,17 @@ class SlidingWindowSpec(KVSpec):
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1)
 
+    # resume_block is KVSpec's right-to-left scan, which here is THE sliding-window hit rule: resuming at block k
+    # reads tokens [k*bs - W + 1, k*bs), the `need = cdiv(W - 1, bs)` blocks before k (first_needed_block(k*bs)
+    # is k - need once k >= need). So k is the end of the rightmost run of `need` held blocks in [start, end),
+    # else start + the run of held blocks at `start` (shorter than `need`); need == 0 (W == 1) gives `end`.
 
-SPEC_KINDS: dict[str, type[KVSpec]] = {cls.kind: cls for cls in (FullAttentionSpec, SlidingWindowSpec)}
+    @classmethod
+    def from_layer(cls, layer: LayerAttn, *, dtype: torch.dtype, block_size: int) -> KVSpec:
+        return cls(
+            num_kv_heads=layer.num_kv_heads,
+            head_size=layer.head_size,
+            dtype=dtype,
+            block_size=block_size,
+            sliding_window=layer.sliding_window,  # the config reader checked it is set
+        )
