@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hybridkv.connectors.fingerprint import CACHE_NAME, CHUNK, model_fingerprint
+from hybridkv.connectors.identity import CACHE_NAME, CHUNK, model_fingerprint
 
 SAMPLE = 64 << 10
 

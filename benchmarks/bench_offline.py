@@ -64,7 +64,7 @@ def prompts(n: int, length: int = 32) -> list[list[int]]:
 def hybridkv_runner(folder: Path, profile: bool) -> Callable[[list[list[int]]], tuple[float, list[list[int]]]]:
     """Load hybridkv once; the returned function times one batch: (seconds, tokens)."""
     from hybridkv.engine.llm import LLM
-    from hybridkv.engine.sampling_params import SamplingParams
+    from hybridkv.request.sampling_params import SamplingParams
 
     llm = LLM(str(folder), dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

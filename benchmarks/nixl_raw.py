@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridkv.connectors.nixl_transport import _nixl
+from hybridkv.connectors.pd.transport import _nixl
 
 SIZES = (4096, 65536, 1 << 20, 16 << 20)
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams"]
+from hybridkv.version import __version__
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from hybridkv.engine.llm import LLM
-    from hybridkv.engine.sampling_params import SamplingParams
+    from hybridkv.request.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
@@ -19,7 +20,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from hybridkv.engine.sampling_params import SamplingParams
+        from hybridkv.request.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -28,7 +28,7 @@ def bench_throughput(
     import torch
 
     from hybridkv.engine.llm import LLM
-    from hybridkv.engine.sampling_params import SamplingParams
+    from hybridkv.request.sampling_params import SamplingParams
 
     if threads:
         torch.set_num_threads(threads)

@@ -34,7 +34,7 @@ def evaluate(
 
     from hybridkv.engine.config import DEFAULT_MODEL_DIR
     from hybridkv.engine.llm import LLM
-    from hybridkv.engine.sampling_params import SamplingParams
+    from hybridkv.request.sampling_params import SamplingParams
     from hybridkv.tasks.kv_recall import read_jsonl, score
 
     if threads:

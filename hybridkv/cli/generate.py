@@ -31,7 +31,7 @@ def generate(
 
     from hybridkv.engine.config import DEFAULT_MODEL_DIR, EngineConfig
     from hybridkv.engine.engine import LLMEngine
-    from hybridkv.engine.sampling_params import SamplingParams
+    from hybridkv.request.sampling_params import SamplingParams
 
     if threads:
         torch.set_num_threads(threads)
@@ -66,17 +66,17 @@ def generate(
     while engine.has_unfinished():
         engine.step()
         if stream is not None:
-            text = engine.output_text(stream)
+            text = engine.text(stream)
             sys.stdout.write(text[len(shown) :])
             sys.stdout.flush()
             shown = text
     if stream is None:
         for p, r in zip(prompt, reqs):
-            typer.echo(f"--- {p!r}\n{engine.output_text(r)}")
+            typer.echo(f"--- {p!r}\n{engine.text(r)}")
     else:
         typer.echo()
     if expected is not None:
-        answer = engine.output_text(reqs[0]).split("\n")[0].strip()
+        answer = engine.text(reqs[0]).split("\n")[0].strip()
         verdict = "correct" if answer == expected else "WRONG"
         typer.echo(f"[expected {expected!r}, got {answer!r}: {verdict}]")
     n = sum(len(r.output_token_ids) for r in reqs)

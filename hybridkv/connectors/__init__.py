@@ -1,7 +1,12 @@
-"""Connectors move KV between this engine and the outside: NixlConnector (prefill/decode disaggregation),
-OffloadingConnector (CPU memory and disk tiers)."""
+"""Connectors move KV between this engine and the outside.
 
-from hybridkv.connectors import (
-    nixl_connector,  # noqa: F401  (registers itself)
-    offload_connector,  # noqa: F401  (registers itself)
-)
+- `base`: the interface every connector implements, and the registry `--kv-transfer-config` names one from.
+- `identity`: what two engines (or an engine and a disk tier) must share to exchange KV: the model fingerprint and
+  the compat hash of the KV plan.
+- `mesh_auth`, `private_dir`: the mesh secret and its keys, private directories (PD and the disk tier use both).
+- `pd/`: NixlConnector, prefill/decode disaggregation.
+- `offload/`: OffloadingConnector, CPU memory and disk tiers.
+"""
+
+from hybridkv.connectors.offload import connector as _offload  # noqa: F401  (registers itself)
+from hybridkv.connectors.pd import connector as _pd  # noqa: F401  (registers itself)

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
+from hybridkv.request.state import Request, RequestStatus
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 

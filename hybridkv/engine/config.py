@@ -8,7 +8,7 @@ from typing import Any
 
 import hybridkv.connectors  # noqa: F401  (registers the connectors)
 from hybridkv.connectors.base import KVTransferConfig
-from hybridkv.connectors.offload_config import CONNECTOR_NAME, OffloadConfig, offload_transfer_config
+from hybridkv.connectors.offload.config import CONNECTOR_NAME, OffloadConfig, offload_transfer_config
 from hybridkv.kv.layout import KV_LAYOUTS
 from hybridkv.units import parse_bytes
 

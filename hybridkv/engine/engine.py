@@ -1,19 +1,24 @@
-"""LLMEngine: add requests, then step() = schedule -> run -> update, until every request finished."""
+"""LLMEngine: add requests, then step() = schedule -> run -> update, until every request finished.
+
+It is the one front the offline API and the server talk to: requests in (`check_prompt`, `add_request`,
+`abort`), `step()` out (the requests that finished in it, failed ones included), `stats()` for every reader of
+counters, and the connector's hooks a serving loop needs (`next_deadline`, `set_waker`, `dead_threads`, ...).
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from hybridkv.connectors.base import CONNECTORS, EngineIdentity, KVConnector
-from hybridkv.connectors.fingerprint import model_fingerprint
+from hybridkv.connectors.identity import model_fingerprint
 from hybridkv.engine.config import EngineConfig
-from hybridkv.engine.request import Request, RequestStatus
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
 from hybridkv.engine.stats import EngineStats
 from hybridkv.engine.tokenizer import Tokenizer, eos_token_ids
@@ -22,6 +27,9 @@ from hybridkv.kv.layout import cross_layers_enabled
 from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
 from hybridkv.kv.planner import CacheConfig, plan_kv_cache
 from hybridkv.models.registry import load_model
+from hybridkv.request.prompt import check_prompt
+from hybridkv.request.sampling_params import SamplingParams
+from hybridkv.request.state import Request, RequestStatus
 from hybridkv.runner.model_runner import ModelRunner
 from hybridkv.runner.sampler import sample, token_logprobs
 
@@ -70,6 +78,11 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(config.model, hf)
         self.vocab_size: int = text["vocab_size"]
         self._ids = itertools.count()
+        self._texts: dict[str, IncrementalDetokenizer] = {}  # unfinished requests' text and stop rules
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -77,6 +90,11 @@ class LLMEngine:
                 raise ValueError("this model folder has no tokenizer: pass prompts as token id lists")
             return self.tokenizer.encode(prompt)
         return list(prompt)
+
+    def check_prompt(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids, when it is one this engine can serve (`request.prompt.check_prompt`); else a
+        ValueError. Thread-safe: the server calls it before queueing."""
+        return check_prompt(self.tokenize(prompt), self.max_model_len, self.vocab_size)
 
     def add_request(
         self,
@@ -87,16 +105,13 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         """`kv_transfer_params`: what `accept_transfer_params` returned, or a raw dict it is applied to."""
-        ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        ids = self.check_prompt(prompt)
         if isinstance(kv_transfer_params, dict):
             (kv_transfer_params,) = self.accept_transfer_params(kv_transfer_params)
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, ids, params, self.plan.block_size, self.eos_token_ids, cache_salt, kv_transfer_params)
         self.scheduler.add(req)
+        self._texts[rid] = IncrementalDetokenizer(self.tokenizer, req, self.max_model_len)
         return req
 
     def accept_transfer_params(self, raw: Any, num_prompts: int = 1) -> list[Any]:
@@ -115,9 +130,39 @@ class LLMEngine:
             return None
         return self.connector.merge_transfer_params(outs)
 
-    def stats(self) -> EngineStats:
-        """A snapshot of counters and gauges; call it on the thread that steps the engine."""
+    def cancel_transfer(self, raw: Any) -> bool:
+        """The client will not use kv_transfer_params this instance issued: free what they hold (thread-safe)."""
+        return self.connector is not None and self.connector.cancel_transfer(raw)
+
+    def next_deadline(self) -> float | None:
+        """Seconds until `step()` is due with nothing else happening (a lease expiry); None for never."""
+        return self.connector.next_deadline() if self.connector is not None else None
+
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        """`wake()` is called from the connector's threads when `step()` has something new to do."""
+        if self.connector is not None:
+            self.connector.set_waker(wake)
+
+    def dead_threads(self) -> list[str]:
+        """The connector's background threads that died (the server reports itself unhealthy)."""
+        return self.connector.dead_threads() if self.connector is not None else []
+
+    def shutdown(self) -> None:
+        """Release the connector's threads, sockets and registrations."""
+        if self.connector is not None:
+            self.connector.shutdown()
+
+    def stats(self, check_integrity: bool = False) -> EngineStats:
+        """The one snapshot of counters and gauges (/metrics, /admin/kv); with `check_integrity`, also the KV
+        core's and the connector's invariants checked. Call it on the thread that steps the engine."""
         s, pool, st = self.scheduler, self.kv.pool, self.scheduler.stats
+        integrity = None
+        if check_integrity:
+            try:
+                self.kv.check_integrity()
+                integrity = "ok"
+            except AssertionError as e:
+                integrity = f"violated: {e}"
         return EngineStats(
             running=len(s.running),
             waiting=len(s.waiting),
@@ -133,22 +178,34 @@ class LLMEngine:
             external_hit_tokens=st.external_hit_tokens,
             kv_load_failures=st.kv_load_failures,
             connector=self.connector.metrics() if self.connector is not None else {},
+            integrity=integrity,
         )
 
     def abort(self, request_id: str) -> None:
         self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        self._texts.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def text(self, req: Request) -> str:
+        """The request's output text that may be shown: all of it once it finished (a stop string cut, a stop
+        token's text left out); before that, all but the end a stop string may still claim."""
+        detok = self._texts.get(req.request_id)
+        if detok is not None:
+            return detok.visible_text()
+        return req.final_text or ""
+
     def step(self) -> list[Request]:
-        """One schedule -> run -> update. Returns the requests that finished in this step."""
+        """Poll the connector, then one schedule -> run -> sample -> update. Returns the requests that finished
+        in this step: stopped, at their length, or failed (a KV load, their sampling). With nothing to run it
+        only polls (a server calls it when woken while idle: releases, expired leases)."""
+        finished = self._poll_connector()
         output = self.scheduler.schedule()
-        failed, self.scheduler.failed = self.scheduler.failed, []
         if output.is_empty:
-            if self.connector is not None and not failed:
+            if self.connector is not None and not finished and self.scheduler.has_unfinished():
                 self.connector.wait(0.002)  # loads in flight: let them progress without spinning
-            return failed
+            return self._collect(finished)
         req_ids, logits = self.runner.run(output)
         reqs = [self.scheduler.requests[r] for r in req_ids]
         banned = [
@@ -163,36 +220,28 @@ class LLMEngine:
             logger.warning("request %s failed: %s", reqs[i].request_id, reason)
             reqs[i].error = reason
             self.scheduler.finish(reqs[i].request_id, RequestStatus.FINISHED_ERROR)
-            failed.append(reqs[i])
+            finished.append(reqs[i])
         wants = [i for i, r in enumerate(reqs) if r.logprobs is not None]
         if wants:
             rows = token_logprobs(logits[wants], [tokens[i] for i in wants], [reqs[i].params.logprobs for i in wants])
             for i, row in zip(wants, rows):
                 reqs[i].logprobs.append(row)
-        finished = self.scheduler.update(output, dict(zip(req_ids, tokens)))
-        finished += self._check_stop_strings([r for r in reqs if not r.status.finished])
-        return failed + finished
+        for req in self.scheduler.update(output, dict(zip(req_ids, tokens))):
+            status = self._texts[req.request_id].append(req.output_token_ids[-1])
+            if status is not None:
+                self.scheduler.finish(req.request_id, status)
+                finished.append(req)
+        return self._collect(finished)
 
-    def _check_stop_strings(self, reqs: list[Request]) -> list[Request]:
-        done = []
-        for r in reqs:
-            if not r.params.stop or self.tokenizer is None or len(r.output_token_ids) < r.params.min_tokens:
-                continue
-            text = self.tokenizer.decode(r.output_token_ids)
-            hit = next((s for s in r.params.stop if s in text), None)
-            if hit is not None:
-                r.stop_reason = hit
-                self.scheduler.finish(r.request_id, RequestStatus.FINISHED_STOPPED)
-                done.append(r)
-        return done
+    def _poll_connector(self) -> list[Request]:
+        if self.connector is None:
+            return []
+        return self.scheduler.apply_connector_events(self.connector.poll())
 
-    def output_text(self, req: Request) -> str:
-        if self.tokenizer is None:
-            return ""
-        ids = req.output_token_ids
-        if isinstance(req.stop_reason, int):  # EOS or a stop token: its text is not part of the output (as vLLM)
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids)
-        if isinstance(req.stop_reason, str):
-            text = text[: text.find(req.stop_reason)]
-        return text
+    def _collect(self, finished: list[Request]) -> list[Request]:
+        """Finished requests leave their text on the request (`final_text`) and drop their detokenizer."""
+        for req in finished:
+            detok = self._texts.pop(req.request_id, None)
+            if detok is not None:
+                req.final_text = detok.visible_text()
+        return finished

@@ -3,32 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.engine.config import DEFAULT_MODEL_DIR, EngineConfig
 from hybridkv.engine.engine import LLMEngine
-from hybridkv.engine.sampling_params import SamplingParams
-from hybridkv.runner.sampler import TokenLogprob
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: str | int | None = None
-    logprobs: list[TokenLogprob] | None = None  # set when SamplingParams.logprobs is
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
+from hybridkv.request.outputs import CompletionOutput, RequestOutput
+from hybridkv.request.sampling_params import SamplingParams
 
 
 class LLM:
@@ -65,7 +45,7 @@ class LLM:
                 r.prompt_token_ids,
                 [
                     CompletionOutput(
-                        0, self.engine.output_text(r), r.output_token_ids, r.status.value, r.stop_reason, r.logprobs
+                        0, self.engine.text(r), r.output_token_ids, r.status.value, r.stop_reason, r.logprobs
                     )
                 ],
             )

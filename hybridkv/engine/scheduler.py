@@ -6,9 +6,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hybridkv.engine.output import ScheduledChunk, SchedulerOutput
-from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.kv.coordinator import KVCacheCoordinator, PrefixHit
+from hybridkv.kv.prefix import reusable_tokens
+from hybridkv.request.batch import ScheduledChunk, SchedulerOutput
+from hybridkv.request.prompt import check_prompt
+from hybridkv.request.state import Request, RequestStatus
 
 if TYPE_CHECKING:
     from hybridkv.connectors.base import ConnectorEvents, KVConnector
@@ -54,16 +56,11 @@ class Scheduler:
         self._prompt_counted: set[str] = set()  # requests whose prompt is in stats.prompt_tokens
         self.num_preemptions = 0
         self.stats = SchedulerStats()
-        self.failed: list[Request] = []  # finished with an error since the engine last collected them
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        if req.num_tokens >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {req.num_tokens} tokens; max_model_len is {self.config.max_model_len} "
-                "(prompt plus at least one generated token must fit)"
-            )
+        check_prompt(req.all_token_ids, self.config.max_model_len)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -89,8 +86,6 @@ class Scheduler:
         )
 
     def schedule(self) -> SchedulerOutput:
-        if self.connector is not None:
-            self.apply(self.connector.poll())
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -156,8 +151,10 @@ class Scheduler:
         self.connector.start_load(req, self.kv.block_ids(rid), hit.num_tokens)
         return True
 
-    def apply(self, events: ConnectorEvents) -> None:
-        """Finished loads run (from the last prompt token) or fall back; released blocks are freed."""
+    def apply_connector_events(self, events: ConnectorEvents) -> list[Request]:
+        """Finished loads run (from the last prompt token) or fall back to computing the prompt; released blocks
+        are freed. Returns the requests that failed (a load failed under kv_load_failure_policy "fail")."""
+        failed = []
         for rid, ok in events.loaded.items():
             req = self.waiting_for_kv.pop(rid, None)
             if req is None:
@@ -177,7 +174,7 @@ class Scheduler:
                 self._prompt_counted.discard(rid)
                 self.kv.free(rid)
                 req.status = RequestStatus.FINISHED_ERROR
-                self.failed.append(req)
+                failed.append(req)
                 continue
             self.kv.free(rid)  # the transfer is over: recompute the prompt locally from scratch
             req.num_computed_tokens, req.num_external_tokens = 0, 0
@@ -185,10 +182,12 @@ class Scheduler:
             self.waiting.appendleft(req)
         for rid in events.released:
             self.kv.free(rid)
+        return failed
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Record a step: computed tokens, sampled tokens, finished requests (their blocks are freed)."""
-        finished = []
+        """Record a step: computed tokens and sampled tokens. Returns the requests that got a token, in step
+        order; whether one finished with it is the engine's to say (`finish`)."""
+        extended = []
         for chunk in output.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -199,23 +198,10 @@ class Scheduler:
                 self.connector.blocks_computed(req, self.kv.block_ids(req.request_id), req.num_computed_tokens)
             if not chunk.sample:
                 continue
-            token = sampled[req.request_id]
-            req.append_token(token)
+            req.append_token(sampled[req.request_id])
             self.stats.generation_tokens += 1
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.finish(req.request_id, reason)
-                finished.append(req)
-        return finished
-
-    def _stop_reason(self, req: Request, token: int) -> RequestStatus | None:
-        n_out = len(req.output_token_ids)
-        if n_out >= req.params.min_tokens and (token in req.eos_token_ids or token in req.params.stop_token_ids):
-            req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if n_out >= req.params.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            extended.append(req)
+        return extended
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request (stopped, length or aborted) and free its blocks. Unknown ids are ignored."""
@@ -235,7 +221,7 @@ class Scheduler:
         elif self.connector is not None:
             # No token is computed any more; a reader (a decoder) resumes at the last prompt token, which it
             # computes itself: the sliding blocks before that token's window go now, not at the lease's end.
-            self.kv.remove_skipped_blocks(request_id, req.num_prompt_tokens - 1)
+            self.kv.remove_skipped_blocks(request_id, reusable_tokens(req.num_prompt_tokens))
             hold, req.kv_transfer_params_out = self.connector.request_finished(req, self.kv.block_ids(request_id))
         if not hold:
             self.kv.free(request_id)

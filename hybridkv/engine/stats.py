@@ -25,6 +25,7 @@ class EngineStats:
     external_hit_tokens: int = 0
     kv_load_failures: int = 0
     connector: dict[str, float] = field(default_factory=dict)
+    integrity: str | None = None  # "ok" or "violated: ..." when the snapshot checked the invariants
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -6,10 +6,10 @@ import itertools
 
 import torch
 
-from hybridkv.engine.output import SchedulerOutput
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
 from hybridkv.models.base import CausalLM
+from hybridkv.request.batch import SchedulerOutput
 from hybridkv.runner.attention import GroupMetadata, PagedAttention, Tile, Workspace
 from hybridkv.runner.step_index import QUERY_TILE, IndexPack, StepIndex, run_kind
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.request.outputs import TokenLogprob
+from hybridkv.request.sampling_params import SamplingParams
 
 
 def sample(
@@ -87,15 +87,6 @@ def penalize(row: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output
         counts = torch.zeros_like(row).scatter_add_(0, ids, torch.ones(len(output), device=row.device))
         row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
     return row
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A sampled token's log-probability under the model's raw distribution, and the top alternatives."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: Sequence[int]) -> list[TokenLogprob]:

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from hybridkv.connectors.base import TransferRefused
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.serve.async_engine import AsyncEngine
 from hybridkv.serve.chat import render_chat
 from hybridkv.serve.guards import DEFAULT_MAX_REQUEST_BYTES, error_response, guard, require_json

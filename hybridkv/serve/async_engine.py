@@ -17,13 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.engine.engine import LLMEngine
-from hybridkv.engine.request import Request
-from hybridkv.engine.sampling_params import SamplingParams
-from hybridkv.runner.sampler import TokenLogprob
+from hybridkv.request.outputs import TokenLogprob
+from hybridkv.request.sampling_params import SamplingParams
+from hybridkv.request.state import Request
 from hybridkv.serve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
-DECODE_OVERLAP = 6  # tokens decoded again before the new ones, for their context
 STATS_EVERY_S = 0.05  # while busy, the engine thread publishes stats for /metrics at most this often
 
 
@@ -57,6 +56,24 @@ class _Add:
     cache_salt: str | None
 
 
+@dataclass(frozen=True)
+class _Abort:
+    """The client went away: end the request and drop its stream."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Inspect:
+    """/admin/kv: a stats snapshot with an integrity check, answered on `future`'s loop."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[dict]
+
+
+_Command = _Add | _Abort | _Inspect
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -65,22 +82,19 @@ class _Stream:
     last_token_time: float = 0.0
     sent_tokens: int = 0
     sent_text: str = ""
-    text: str = ""  # the decoded text of output tokens [0, decoded), complete characters only
-    decoded: int = 0
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[_Add | tuple] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stopped = False
         self.metrics = EngineMetrics()
         self._stats, self._stats_time = engine.stats(), time.monotonic()
-        if engine.connector is not None:
-            engine.connector.set_waker(self._wake.set)
+        engine.set_waker(self._wake.set)
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._thread.start()
 
@@ -88,25 +102,15 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
-        if self.engine.connector is not None:
-            self.engine.connector.shutdown()
+        self.engine.shutdown()
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.scheduler.config.max_model_len
+        return self.engine.max_model_len
 
     def check_prompt(self, prompt: str | list[int]) -> list[int]:
         """Tokenize and validate on the caller's side, so bad requests fail before they reach the engine."""
-        ids = self.engine.tokenize(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this server's max_model_len is {limit}")
-        vocab = self.engine.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        return ids
+        return self.engine.check_prompt(prompt)
 
     def accept_transfer_params(self, raw: Any, num_prompts: int = 1) -> list[Any]:
         """Parse and verify client kv_transfer_params before queueing (see LLMEngine.accept_transfer_params)."""
@@ -116,14 +120,12 @@ class AsyncEngine:
         return self.engine.merge_transfer_params(outs)
 
     def cancel_transfer(self, raw: Any) -> bool:
-        connector = self.engine.connector
-        return connector is not None and connector.cancel_transfer(raw)
+        return self.engine.cancel_transfer(raw)
 
     def dead_threads(self) -> list[str]:
         """Background threads that died: the engine's own and its connector's."""
         dead = [] if self._thread.is_alive() or self._stopped else ["engine"]
-        connector = self.engine.connector
-        return dead + (connector.dead_threads() if connector is not None else [])
+        return dead + self.engine.dead_threads()
 
     async def generate(
         self,
@@ -148,13 +150,13 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                self._post(("abort", request_id))
+                self._post(_Abort(request_id))
 
     async def kv_state(self) -> dict:
         """Block usage, the connector's holds and a check_integrity() verdict, read on the engine thread."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[dict] = loop.create_future()
-        self._post(("inspect", loop, future))
+        self._post(_Inspect(loop, future))
         return await future
 
     def metrics_text(self) -> str:
@@ -164,7 +166,7 @@ class AsyncEngine:
         """Publish the engine's stats for /metrics (a reference swap: readers never see a half-built one)."""
         self._stats, self._stats_time = self.engine.stats(), now
 
-    def _post(self, command: _Add | tuple) -> None:
+    def _post(self, command: _Command) -> None:
         self._inbox.put(command)
         self._wake.set()
 
@@ -174,11 +176,9 @@ class AsyncEngine:
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
                     self._snapshot(time.monotonic())
-                    connector = self.engine.connector
-                    self._wake.wait(connector.next_deadline() if connector else None)
+                    self._wake.wait(self.engine.next_deadline())
                     self._wake.clear()
-                    if connector is not None:
-                        self.engine.scheduler.apply(connector.poll())  # releases and expired leases
+                    self.engine.step()  # idle: only the connector's releases and expired leases
                     continue
                 self.engine.step()
                 now = time.monotonic()
@@ -208,28 +208,21 @@ class AsyncEngine:
                     )  # fmt: skip
                 except ValueError as e:
                     self._send(command.request_id, e)
-            elif command[0] == "inspect":
-                _, loop, future = command
-                loop.call_soon_threadsafe(future.set_result, self._kv_state())
+            elif isinstance(command, _Inspect):
+                command.loop.call_soon_threadsafe(command.future.set_result, self._kv_state())
             else:
-                rid = command[1]
-                self.engine.abort(rid)
-                self._streams.pop(rid, None)
+                self.engine.abort(command.request_id)
+                self._streams.pop(command.request_id, None)
 
     def _kv_state(self) -> dict:
-        """/admin/kv: the stats snapshot and a check_integrity() verdict, on the engine thread."""
-        try:
-            self.engine.kv.check_integrity()
-            integrity = "ok"
-        except AssertionError as e:
-            integrity = f"violated: {e}"
-        st = self.engine.stats()
+        """/admin/kv: a stats snapshot with a check_integrity() verdict, on the engine thread."""
+        st = self.engine.stats(check_integrity=True)
         return {
             "blocks_used": st.blocks_used,
             "blocks_free": st.blocks_free,
             "requests": {"running": st.running, "waiting": st.waiting, "waiting_for_kv": st.waiting_for_kv},
             "connector": st.connector,
-            "integrity": integrity,
+            "integrity": st.integrity,
         }
 
     def _publish(self) -> None:
@@ -239,14 +232,7 @@ class AsyncEngine:
             req = s.request
             if req is None or (len(req.output_token_ids) == s.sent_tokens and not req.status.finished):
                 continue
-            if req.status.finished:
-                text = self.engine.output_text(req)  # once: stop strings cut, a stop token's text left out
-            else:
-                text = self._decoded(s, req)
-                # The end may be the start of a stop string the next tokens complete: hold it back, since text
-                # once sent cannot be taken back when the stop string is cut off.
-                hold = max(map(len, req.params.stop), default=1) - 1
-                text = text[: max(len(s.sent_text), len(text) - hold)]
+            text = self.engine.text(req)  # finished: stop strings cut; running: what a stop string may claim held
             new_ids = req.output_token_ids[s.sent_tokens :]
             now = time.monotonic()
             if new_ids:
@@ -275,20 +261,6 @@ class AsyncEngine:
                 self._streams.pop(rid, None)
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_deliver, items)
-
-    def _decoded(self, s: _Stream, req: Request) -> str:
-        """The request's output text so far, decoding only the new tokens and a few before them (decoding the
-        whole output every step would cost O(length) per token). The overlap gives the new tokens the same
-        context (leading spaces, multi-byte characters) they have in the full text."""
-        tokenizer, ids = self.engine.tokenizer, req.output_token_ids
-        if tokenizer is None or s.decoded == len(ids):
-            return s.text
-        start = max(0, s.decoded - DECODE_OVERLAP)
-        before = tokenizer.decode(ids[start : s.decoded])
-        after = tokenizer.decode(ids[start:])
-        if not after.endswith("\ufffd"):  # else an incomplete UTF-8 sequence: wait for its next bytes
-            s.text, s.decoded = s.text + after[len(before) :], len(ids)
-        return s.text
 
     def _send(self, rid: str, item: Update | BaseException) -> None:
         s = self._streams.get(rid)

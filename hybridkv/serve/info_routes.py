@@ -10,11 +10,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, Field, StrictInt
 
-import hybridkv
 from hybridkv.serve.async_engine import AsyncEngine
 from hybridkv.serve.chat import render_chat
 from hybridkv.serve.guards import require_json
 from hybridkv.serve.protocol import STRICT, APIError, ChatMessage, parse
+from hybridkv.version import __version__
 
 
 class TokenizeRequest(BaseModel):
@@ -58,7 +58,7 @@ def add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, enable_a
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": hybridkv.__version__}
+        return {"version": __version__}
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

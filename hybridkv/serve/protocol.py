@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from hybridkv.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from hybridkv.request.sampling_params import MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger(__name__)
 

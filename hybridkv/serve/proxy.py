@@ -22,6 +22,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from hybridkv.connectors.pd.protocol import RemoteDecode
 from hybridkv.serve.guards import error_response, guard, require_json
 from hybridkv.serve.protocol import APIError
 from hybridkv.serve.responses import until_disconnected
@@ -101,7 +102,7 @@ def build_proxy(
         """(the prefill instance that answered, its kv_transfer_params), trying each instance once; (None, None)
         when none answered; an error response when one refused the request (a 4xx: the decoder would too)."""
         first = {k: v for k, v in body.items() if k not in PREFILL_DROPS}
-        first |= {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        first |= {"max_tokens": 1, "stream": False, "kv_transfer_params": RemoteDecode().to_json()}
         for attempt in range(len(prefill)):
             url = next(prefills)
             try:

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from fastapi.responses import StreamingResponse
 
-from hybridkv.runner.sampler import TokenLogprob
+from hybridkv.request.outputs import TokenLogprob
 from hybridkv.serve.async_engine import Update
 from hybridkv.serve.protocol import APIError
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hybridkv.engine.llm import LLM
-from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.kv.model_kv import load_hf_config
 from hybridkv.kv.planner import CacheConfig, plan_from_hf_config
+from hybridkv.request.sampling_params import SamplingParams
 from tests.tiny_models import build
 
 NEW_TOKENS = 64

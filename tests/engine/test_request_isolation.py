@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridkv import LLM, SamplingParams
-from hybridkv.engine.request import RequestStatus
+from hybridkv.request.state import RequestStatus
 from hybridkv.runner import sampler
 
 PROMPTS = ["Remember these codes.\n- ant 58\n- bee 17\nQ: what is bee?\nA: bee", "the quick brown fox", "hi", "1 2 3"]

@@ -2,10 +2,11 @@
 
 import pytest
 
-from hybridkv.engine.request import Request, RequestStatus
-from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
 from hybridkv.kv.coordinator import KVCacheCoordinator
+from hybridkv.request.sampling_params import SamplingParams
+from hybridkv.request.state import Request, RequestStatus
+from tests.engine.sched_util import schedule, update
 from tests.kv.util import P, model, plan
 
 
@@ -23,9 +24,9 @@ def run(s: Scheduler, token: int = 7, steps: int = 200) -> list[tuple[int, list]
     for _ in range(steps):
         if not s.has_unfinished():
             break
-        out = s.schedule()
+        out = schedule(s)
         trace.append((out.num_tokens, out.preempted))
-        s.update(out, {c.request_id: token for c in out.chunks if c.sample})
+        update(s, out, {c.request_id: token for c in out.chunks if c.sample})
         s.kv.check_integrity()
     assert not s.has_unfinished()
     assert s.kv.pool.num_used_blocks == 0
@@ -42,12 +43,12 @@ def test_chunked_prefill_respects_the_token_budget():
 def test_continuous_batching_admits_while_others_decode():
     s = make(budget=64)
     s.add(req("a", 10, max_tokens=3))
-    out = s.schedule()
-    s.update(out, {"a": 7})
+    out = schedule(s)
+    update(s, out, {"a": 7})
     s.add(req("b", 20, max_tokens=3))
-    out = s.schedule()
+    out = schedule(s)
     assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 1), ("b", 20)]
-    s.update(out, {"a": 7, "b": 7})
+    update(s, out, {"a": 7, "b": 7})
     run(s)
 
 
@@ -76,8 +77,8 @@ def test_abort_frees_blocks_at_any_point():
     s = make()
     s.add(req("a", 40, max_tokens=50))
     s.add(req("b", 40, max_tokens=50))
-    out = s.schedule()
-    s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+    out = schedule(s)
+    update(s, out, {c.request_id: 7 for c in out.chunks if c.sample})
     assert s.kv.pool.num_used_blocks > 0
     s.finish("a", RequestStatus.FINISHED_ABORTED)
     s.finish("b", RequestStatus.FINISHED_ABORTED)
@@ -91,7 +92,7 @@ def test_prefix_cache_is_reused_by_a_later_request():
     s.add(req("a", 50, max_tokens=1))
     run(s)
     s.add(req("b", 50, max_tokens=1))
-    out = s.schedule()
+    out = schedule(s)
     assert out.chunks[0].start == 48 and len(out.chunks[0].token_ids) == 2
 
 

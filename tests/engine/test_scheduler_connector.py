@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 
 from hybridkv.connectors.base import ConnectorEvents, KVConnector
-from hybridkv.connectors.descriptors import block_moves
-from hybridkv.engine.request import Request
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.connectors.pd.descriptors import block_moves
 from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
 from hybridkv.kv.coordinator import KVCacheCoordinator
 from hybridkv.kv.model_kv import ModelKV
 from hybridkv.kv.plan import KVPlan
 from hybridkv.kv.spec import cdiv
+from hybridkv.request.sampling_params import SamplingParams
+from hybridkv.request.state import Request
+from tests.engine.sched_util import schedule, update
 from tests.kv.util import BS, full, plan, sliding
 
 
@@ -76,8 +77,8 @@ def req(rid: str, n: int, max_tokens: int = 2, first: int = 100) -> Request:
 
 
 def step(s: Scheduler):
-    out = s.schedule()
-    s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+    out = schedule(s)
+    update(s, out, {c.request_id: 7 for c in out.chunks if c.sample})
     s.kv.check_integrity()
     return out
 

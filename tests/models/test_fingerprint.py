@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hybridkv.connectors import fingerprint as fp
-from hybridkv.connectors.fingerprint import CACHE_NAME, model_fingerprint
+from hybridkv.connectors import identity as fp
+from hybridkv.connectors.identity import CACHE_NAME, model_fingerprint
 
 SAMPLE = 64 << 10  # what the old sampler read at the start, middle and end of each weight file
 

@@ -16,7 +16,7 @@ import pytest
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.connectors.mesh_auth import SECRET_ENV, MeshKeys, mac
-from hybridkv.connectors.offload_disk import FIELDS, HEADER
+from hybridkv.connectors.offload.disk import FIELDS, HEADER
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from tests.offload.test_offload_e2e import embedded_prompts
 from tests.procs import Process

@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 import pytest
 
-from hybridkv.connectors import offload_disk
 from hybridkv.connectors.base import EngineIdentity, KVTransferConfig
 from hybridkv.connectors.mesh_auth import SECRET_ENV, MeshKeys
-from hybridkv.connectors.offload_connector import OffloadingConnector
-from hybridkv.connectors.offload_disk import HEADER, DiskTier
+from hybridkv.connectors.offload import disk as offload_disk
+from hybridkv.connectors.offload.connector import OffloadingConnector
+from hybridkv.connectors.offload.disk import HEADER, DiskTier
 from hybridkv.engine.config import DEFAULT_MODEL_DIR, EngineConfig
 from tests.offload.test_offload_e2e import check_idle, embedded_prompts, metrics, offload_llm, outputs
 from tests.offload.test_tiers import COMPAT, key, payload, read
@@ -197,7 +197,7 @@ def test_an_entry_dir_that_is_a_symlink_or_a_file_is_an_error(tmp_path, kind):
 def test_an_open_entry_dir_of_ours_is_made_private_with_a_warning(tmp_path, caplog):
     tier = DiskTier(tmp_path, COMPAT, 1 << 20)
     os.chmod(tier.dir, 0o777)
-    with caplog.at_level(logging.WARNING, logger="hybridkv.connectors.offload_disk"):
+    with caplog.at_level(logging.WARNING, logger="hybridkv.connectors.offload.disk"):
         DiskTier(tmp_path, COMPAT, 1 << 20)
     assert mode(tier.dir) == 0o700 and any("mode 777" in r.getMessage() for r in caplog.records)
 

@@ -5,12 +5,13 @@ real KV memory, so the copies move zeros."""
 from __future__ import annotations
 
 from hybridkv.connectors.base import EngineIdentity, KVTransferConfig
-from hybridkv.connectors.offload_connector import OffloadingConnector
-from hybridkv.engine.request import Request, RequestStatus
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.connectors.offload.connector import OffloadingConnector
 from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
 from hybridkv.kv.coordinator import KVCacheCoordinator
 from hybridkv.kv.memory import KVCacheMemory
+from hybridkv.request.sampling_params import SamplingParams
+from hybridkv.request.state import Request, RequestStatus
+from tests.engine.sched_util import schedule, update
 from tests.kv.util import BS, model, plan
 
 NUM_REQUESTS = 8
@@ -45,10 +46,10 @@ def run_batch(s: Scheduler) -> None:
     for _ in range(500):
         if not (s.has_unfinished() or s.connector.has_pending()):
             break
-        out = s.schedule()
+        out = schedule(s)
         if out.is_empty:
             s.connector.wait(1.0)  # loads run on the loader thread
-        s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+        update(s, out, {c.request_id: 7 for c in out.chunks if c.sample})
     assert not s.has_unfinished() and s.kv.pool.num_used_blocks == 0
     assert s.num_preemptions == 0  # every request loads at most once
     s.kv.check_integrity()
@@ -80,16 +81,16 @@ def test_a_request_aborted_before_it_ran_counts_nothing_and_is_forgotten():
     for i in range(3):
         s.add(Request(f"a{i}", [1000 * i + j for j in range(PROMPT)], SamplingParams(max_tokens=2), BS, ()))
     s.add(Request("new", list(range(90000, 90000 + PROMPT)), SamplingParams(max_tokens=2), BS, ()))
-    s.schedule()  # a0 and a1 start loading; a2 is looked up and waits for blocks
+    schedule(s)  # a0 and a1 start loading; a2 is looked up and waits for blocks
     assert set(s.waiting_for_kv) == {"a0", "a1"} and "a2" in connector.looked_up
     for rid in ("a0", "a2"):
         s.finish(rid, RequestStatus.FINISHED_ABORTED)
     assert "a0" not in connector.looked_up and "a2" not in connector.looked_up
     while s.has_unfinished() or connector.has_pending():
-        out = s.schedule()
+        out = schedule(s)
         if out.is_empty:
             connector.wait(1.0)
-        s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+        update(s, out, {c.request_id: 7 for c in out.chunks if c.sample})
     m = connector.metrics()
     assert m["kv_offload_hits_total"] == 2 and m["kv_offload_misses_total"] == NUM_REQUESTS + 1  # a0, a1; new
     assert not connector.looked_up and not connector.stored and s.kv.pool.num_used_blocks == 0
@@ -105,8 +106,8 @@ def test_a_preempted_request_that_misses_again_counts_one_miss():
     for i in range(2):
         s.add(Request(f"p{i}", [1000 * i + j for j in range(30)], SamplingParams(max_tokens=30), BS, ()))
     while s.has_unfinished():
-        out = s.schedule()
-        s.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+        out = schedule(s)
+        update(s, out, {c.request_id: 7 for c in out.chunks if c.sample})
     assert s.num_preemptions >= 1 and s.kv.pool.num_used_blocks == 0
     m = connector.metrics()
     assert lookups[0] > 2 and m["kv_offload_misses_total"] == 2 and m["kv_offload_hits_total"] == 0

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from hybridkv import LLM, SamplingParams
-from hybridkv.connectors import offload_disk
 from hybridkv.connectors.mesh_auth import SECRET_ENV
+from hybridkv.connectors.offload import disk as offload_disk
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from hybridkv.engine.tokenizer import Tokenizer
 from hybridkv.kv.hashing import hash_blocks

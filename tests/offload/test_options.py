@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from hybridkv import LLM
 from hybridkv.cli import app
-from hybridkv.connectors.offload_config import parse_disk_option
+from hybridkv.connectors.offload.config import parse_disk_option
 from hybridkv.engine.config import EngineConfig
 
 

@@ -10,10 +10,10 @@ import logging
 import pytest
 import torch
 
-from hybridkv.connectors import offload_disk
-from hybridkv.connectors.offload_cpu import CpuTier
-from hybridkv.connectors.offload_disk import HEADER, DiskTier
-from hybridkv.connectors.offload_policy import ARCPolicy, LRUPolicy, make_policy
+from hybridkv.connectors.offload import disk as offload_disk
+from hybridkv.connectors.offload.cpu import CpuTier
+from hybridkv.connectors.offload.disk import HEADER, DiskTier
+from hybridkv.connectors.offload.policy import ARCPolicy, LRUPolicy, make_policy
 
 COMPAT = hashlib.sha256(b"model-a").hexdigest()
 OTHER = hashlib.sha256(b"model-b").hexdigest()
@@ -195,7 +195,7 @@ def test_a_full_disk_skips_the_store_with_one_warning(tmp_path, monkeypatch, cap
             raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(offload_disk, "open", FullDisk, raising=False)
-    with caplog.at_level(logging.WARNING, logger="hybridkv.connectors.offload_disk"):
+    with caplog.at_level(logging.WARNING, logger="hybridkv.connectors.offload.disk"):
         assert not tier.write(key(0), payload(0))
         assert not tier.write(key(1), payload(1))
     assert tier.skipped == 2 and len(tier) == 0 and tier.used_bytes == 0

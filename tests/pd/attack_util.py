@@ -8,10 +8,9 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from hybridkv.connectors.descriptors import compat_hash
-from hybridkv.connectors.fingerprint import model_fingerprint
+from hybridkv.connectors.identity import compat_hash, model_fingerprint
 from hybridkv.connectors.mesh_auth import MeshKeys
-from hybridkv.connectors.transfer_params import ParamLimits, parse_transfer_params
+from hybridkv.connectors.pd.params import ParamLimits, parse_transfer_params
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
 from hybridkv.kv.planner import CacheConfig, plan_kv_cache

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import socket
 
-from hybridkv.connectors import side_channel
+from hybridkv.connectors.pd import side_channel
 
 
 def exchange(port: int, frame: bytes) -> bytes:

@@ -15,7 +15,7 @@ from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from tests.procs import Process, free_port
 
 try:
-    from hybridkv.connectors.nixl_transport import _nixl
+    from hybridkv.connectors.pd.transport import _nixl
 
     _nixl()
 except ValueError:

@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from hybridkv.connectors import side_channel, side_channel_server
 from hybridkv.connectors.mesh_auth import MeshKeys
-from hybridkv.connectors.pd_messages import HandshakeRequest, LeaseRequest, Op, parse_handshake_reply
-from hybridkv.connectors.side_channel import REQUEST, encode, request
+from hybridkv.connectors.pd import side_channel, side_channel_server
+from hybridkv.connectors.pd.protocol import HandshakeRequest, LeaseRequest, Op, parse_handshake_reply
+from hybridkv.connectors.pd.side_channel import REQUEST, encode, request
 from tests.pd.attack_util import (
     KEYS,
     MODEL,

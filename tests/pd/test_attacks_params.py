@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from hybridkv.connectors import side_channel
-from hybridkv.connectors.fingerprint import model_fingerprint
-from hybridkv.connectors.side_channel import REPLY, REQUEST
-from hybridkv.connectors.side_channel_server import SideChannelServer
+from hybridkv.connectors.identity import model_fingerprint
+from hybridkv.connectors.pd import side_channel
+from hybridkv.connectors.pd.side_channel import REPLY, REQUEST
+from hybridkv.connectors.pd.side_channel_server import SideChannelServer
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from tests.pd.attack_util import (
     ATTACKER,

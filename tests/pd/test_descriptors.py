@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridkv.connectors.descriptors import Placement, block_moves, compat_hash, pair_descriptors
+from hybridkv.connectors.identity import compat_hash
+from hybridkv.connectors.pd.descriptors import Placement, block_moves, pair_descriptors
 from hybridkv.kv.planner import CacheConfig, plan_from_hf_config
 
 # Gemma-4-E2B-like: 3 groups of 3-6 owner layers, KV-sharing consumers, two head sizes.

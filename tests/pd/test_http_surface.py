@@ -149,7 +149,7 @@ def test_without_a_secret_a_decoder_reads_only_from_this_host(pair):
     from dataclasses import replace
 
     from hybridkv.connectors.mesh_auth import MeshKeys
-    from hybridkv.connectors.transfer_params import ParamLimits, parse_transfer_params
+    from hybridkv.connectors.pd.params import ParamLimits, parse_transfer_params
 
     prefill, decode, _, _ = pair
     params = issued(prefill)

@@ -6,10 +6,10 @@ import time
 import pytest
 
 from hybridkv.connectors.base import KVTransferConfig
-from hybridkv.connectors.leases import LeaseTable
 from hybridkv.connectors.mesh_auth import MeshKeys
-from hybridkv.connectors.side_channel import request
-from hybridkv.connectors.side_channel_server import SideChannelServer
+from hybridkv.connectors.pd.leases import LeaseTable
+from hybridkv.connectors.pd.side_channel import request
+from hybridkv.connectors.pd.side_channel_server import SideChannelServer
 
 KEYS = MeshKeys.derive(None)
 SIG_A, SIG_B = "a" * 64, "b" * 64

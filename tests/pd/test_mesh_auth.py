@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from hybridkv.connectors import side_channel, side_channel_server
-from hybridkv.connectors.leases import LeaseTable
 from hybridkv.connectors.mesh_auth import SECRET_ENV, MeshKeys, ReplayGuard, load_secret
-from hybridkv.connectors.side_channel import REQUEST, encode, request
-from hybridkv.connectors.side_channel_server import SideChannelServer
+from hybridkv.connectors.pd import side_channel, side_channel_server
+from hybridkv.connectors.pd.leases import LeaseTable
+from hybridkv.connectors.pd.side_channel import REQUEST, encode, request
+from hybridkv.connectors.pd.side_channel_server import SideChannelServer
 from tests.pd.frames import exchange, refused
 
 SECRET = b"correct horse battery staple 42"

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from hybridkv.connectors import peer_io
 from hybridkv.connectors.mesh_auth import MeshKeys
-from hybridkv.connectors.pd_messages import HandshakeRequest
-from hybridkv.connectors.peer_io import PeerIO, ResultKind, Target
-from hybridkv.connectors.side_channel_server import SideChannelServer
+from hybridkv.connectors.pd import peer_io
+from hybridkv.connectors.pd.peer_io import PeerIO, ResultKind, Target
+from hybridkv.connectors.pd.protocol import HandshakeRequest
+from hybridkv.connectors.pd.side_channel_server import SideChannelServer
 
 KEYS = MeshKeys.derive(b"peer io test secret, 16+ bytes")
 

@@ -7,14 +7,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from hybridkv.connectors.base import ConnectorEvents
-from hybridkv.connectors.descriptors import Placement
-from hybridkv.connectors.nixl_reader import NixlReader, Peer
-from hybridkv.connectors.pd_messages import HandshakeReply, HandshakeRequest
-from hybridkv.connectors.peer_io import PeerResult, ResultKind
-from hybridkv.connectors.transfer_params import RemotePrefill, prompt_hash
-from hybridkv.engine.request import Request
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.connectors.pd.descriptors import Placement
+from hybridkv.connectors.pd.peer_io import PeerResult, ResultKind
+from hybridkv.connectors.pd.protocol import HandshakeReply, HandshakeRequest, RemotePrefill, prompt_hash
+from hybridkv.connectors.pd.reader import NixlReader, Peer
 from hybridkv.kv.planner import CacheConfig, plan_from_hf_config
+from hybridkv.request.sampling_params import SamplingParams
+from hybridkv.request.state import Request
 
 CONFIG = json.loads((Path(__file__).parents[2] / "examples/configs/gemma4-e2b-like.json").read_text())
 

@@ -8,13 +8,14 @@ from dataclasses import replace
 import pytest
 
 from hybridkv.connectors.mesh_auth import MeshKeys
-from hybridkv.connectors.pd_messages import parse_handshake_reply, parse_lease_reply, parse_request
-from hybridkv.connectors.transfer_params import (
+from hybridkv.connectors.pd.params import ParamLimits, parse_transfer_params
+from hybridkv.connectors.pd.protocol import (
     PREFILL_KEYS,
-    ParamLimits,
     RemoteDecode,
     RemotePrefill,
-    parse_transfer_params,
+    parse_handshake_reply,
+    parse_lease_reply,
+    parse_request,
     prompt_hash,
 )
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.runner.sampler import sample
 
 # Ten tokens, no two logits equal; token ids are not in probability order.

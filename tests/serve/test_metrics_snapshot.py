@@ -7,7 +7,7 @@ import pytest
 
 from hybridkv.engine.config import DEFAULT_MODEL_DIR, EngineConfig
 from hybridkv.engine.engine import LLMEngine
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.serve.async_engine import AsyncEngine
 
 

@@ -1,4 +1,6 @@
-"""A checkpoint's identity: peers that exchange KV (PD, the disk tier) must run the same weights, not just shapes.
+"""Identity: what two engines (PD peers) or an engine and its disk tier must share to exchange KV blocks.
+
+A checkpoint's identity: peers that exchange KV must run the same weights, not just shapes.
 
 `model_fingerprint` is a SHA-256 over every byte of config.json, every `*.safetensors` file and its index, and the
 tokenizer files that define token ids (those of `TOKENIZER_FILES` present), each framed by its length-prefixed name
@@ -24,9 +26,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from hybridkv.kv.plan import KVPlan
+
 logger = logging.getLogger(__name__)
 
 VERSION = 1
+COMPAT_VERSION = 1
 CACHE_NAME = ".hybridkv-fingerprint.json"
 CHUNK = 8 << 20
 TOKENIZER_FILES = (
@@ -146,3 +151,17 @@ def model_fingerprint(model_dir: str | Path) -> str:
         _warned_no_cache = True
         logger.info("cannot cache the model fingerprint (%s): it is recomputed at every start", "; ".join(errors))
     return digest
+
+
+def compat_hash(plan: KVPlan, model_fingerprint: str, dtype: str) -> str:
+    """What two instances must share to exchange blocks: model, dtype, groups (kinds, windows, block size, layers,
+    page sizes), specs and KV sharing. The layout is not part of it: descriptors pair pages across layouts."""
+    desc = {
+        "version": COMPAT_VERSION,
+        "model": model_fingerprint,
+        "dtype": dtype,
+        "groups": [[g.kind, g.sliding_window, g.block_size, list(g.layers), list(g.pages)] for g in plan.groups],
+        "specs": [None if s is None else [s.kind, s.num_kv_heads, s.head_size, str(s.dtype)] for s in plan.specs],
+        "shared": sorted(plan.shared.items()),
+    }
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()

@@ -1,4 +1,4 @@
-"""The only objects that cross from scheduler to runner and back."""
+"""SchedulerOutput: the one object that crosses from scheduler to runner for a step."""
 
 from __future__ import annotations
 

@@ -9,16 +9,12 @@ layouts one per layer page. KV-sharing consumers own no pages and never appear.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from hybridkv.kv.plan import KVPlan
-
-COMPAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -100,17 +96,3 @@ def block_moves(
                 raise ValueError(f"the peer no longer holds block {i} of group {g}")
             moves.append((g, mine[i], theirs[i]))
     return moves
-
-
-def compat_hash(plan: KVPlan, model_fingerprint: str, dtype: str) -> str:
-    """What two instances must share to exchange blocks: model, dtype, groups (kinds, windows, block size, layers,
-    page sizes), specs and KV sharing. The layout is not part of it: descriptors pair pages across layouts."""
-    desc = {
-        "version": COMPAT_VERSION,
-        "model": model_fingerprint,
-        "dtype": dtype,
-        "groups": [[g.kind, g.sliding_window, g.block_size, list(g.layers), list(g.pages)] for g in plan.groups],
-        "specs": [None if s is None else [s.kind, s.num_kv_heads, s.head_size, str(s.dtype)] for s in plan.specs],
-        "shared": sorted(plan.shared.items()),
-    }
-    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()

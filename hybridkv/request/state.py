@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.kv.hashing import BlockHash, hash_blocks
-from hybridkv.runner.sampler import TokenLogprob
+from hybridkv.request.outputs import TokenLogprob
+from hybridkv.request.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +63,7 @@ class Request:
         self.num_external_tokens = 0
         self.kv_transfer_params_out: dict | None = None
         self.error: str | None = None
+        self.final_text: str | None = None  # the output as text once it finished (the engine's detokenizer)
         self._update_hashes()
 
     @property

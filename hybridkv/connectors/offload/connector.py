@@ -11,39 +11,31 @@ entry fails the load and the request is recomputed (the blocks read before it st
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from hybridkv.connectors.base import ConnectorEvents, EngineIdentity, KVConnector, KVTransferConfig, register_connector
-from hybridkv.connectors.descriptors import compat_hash
+from hybridkv.connectors.identity import compat_hash
 from hybridkv.connectors.mesh_auth import MeshKeys, load_secret
-from hybridkv.connectors.offload_config import CONNECTOR_NAME, OffloadConfig
-from hybridkv.connectors.offload_copy import BlockCopier
-from hybridkv.connectors.offload_cpu import CpuTier
-from hybridkv.connectors.offload_disk import DiskTier, Key
-from hybridkv.connectors.offload_loads import Loader, LoadItem
-from hybridkv.connectors.offload_stats import OffloadStats
-from hybridkv.engine.request import Request
-from hybridkv.kv.hashing import BlockHash
+from hybridkv.connectors.offload.config import CONNECTOR_NAME, OffloadConfig
+from hybridkv.connectors.offload.copier import BlockCopier
+from hybridkv.connectors.offload.cpu import CpuTier
+from hybridkv.connectors.offload.disk import DiskTier
+from hybridkv.connectors.offload.key import Key
+from hybridkv.connectors.offload.loader import Loader
+from hybridkv.connectors.offload.stats import OffloadStats
+from hybridkv.connectors.offload.store import LoadItem, TieredStore
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
+from hybridkv.kv.prefix import reusable_tokens
+from hybridkv.request.state import Request
 
 logger = logging.getLogger(__name__)
-
-
-def _background() -> None:
-    """Lower the calling thread's CPU priority (Linux schedules threads one by one): disk writes yield to compute
-    where cores are few."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 @register_connector(CONNECTOR_NAME)
@@ -59,8 +51,6 @@ class OffloadingConnector(KVConnector):
         # computes without one. Forgotten when it finishes or is aborted.
         self.looked_up: dict[str, bool] = {}
         self.disk: DiskTier | None = None
-        self._writes_pending = 0  # disk writes queued or running (engine thread adds, writer thread subtracts)
-        self._writes_lock = threading.Lock()
         self._event = threading.Event()
         self._wake: Callable[[], None] = self._event.set
 
@@ -77,9 +67,10 @@ class OffloadingConnector(KVConnector):
             self.disk = DiskTier(
                 options.disk_path, compat, options.disk_bytes, options.eviction, slot_bytes, keys=self.keys
             )
+        specs = [g.spec for g in plan.groups]
+        self.store = TieredStore(self.cpu, self.disk, specs, self.copier, self.stats)
         # A thread each: loads never wait behind disk writes. Idle threads hold no reference to this object.
-        self.loader = Loader(self.cpu, self.disk, self.copier, self.stats, memory.device, lambda: self._wake())
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="hybridkv-offload-write", initializer=_background)
+        self.loader = Loader(self.store, self.copier, self.stats, memory.device, lambda: self._wake())
         auth = "entries keyed by the mesh secret" if self.keys.authenticated else "no mesh secret: checksums only"
         logger.info(
             "KV offloading: %d CPU slots of %d bytes, layout %s (%s copies per block), disk %s",
@@ -91,50 +82,16 @@ class OffloadingConnector(KVConnector):
         )
 
     # ---- lookups -------------------------------------------------------------------------------------------
-    def _held(self, key: Key) -> bool:
-        return self.cpu.contains(key) or (self.disk is not None and self.disk.contains(key))
-
-    def _group_end(self, group_id: int, hashes: list[BlockHash], start: int, end: int) -> int:
-        """The largest k in [start, end] such that this group can resume at block k: the tiers hold every entry
-        in [start, k) that a token after block k reads (all of them for full attention, the window otherwise)."""
-        spec = self.plan.groups[group_id].spec
-        if spec.window_tokens is None:
-            k = start
-            while k < end and self._held((hashes[k], group_id)):
-                k += 1
-            return k
-        missing_before = [start - 1]  # [k - start]: the last missing entry before block k
-        for i in range(start, end):
-            missing_before.append(missing_before[-1] if self._held((hashes[i], group_id)) else i)
-        for k in range(end, start, -1):
-            first = max(start, spec.num_skipped_tokens(k * self.block_size) // self.block_size)
-            if missing_before[k - start] < first:
-                return k
-        return start
-
     def num_external_tokens(self, req: Request, num_local_tokens: int) -> int:
         start = num_local_tokens // self.block_size
-        end = min(len(req.block_hashes), (req.num_prompt_tokens - 1) // self.block_size)  # one token computes
+        end = min(len(req.block_hashes), reusable_tokens(req.num_prompt_tokens) // self.block_size)
         if end <= start:
             return 0
         self.looked_up.setdefault(req.request_id, False)
-        order = sorted(range(len(self.plan.groups)), key=lambda g: self.plan.groups[g].sliding_window is not None)
-        k = end
-        while True:  # fixed point: every group resumes at the same block
-            shorter = k
-            for g in order:
-                shorter = self._group_end(g, req.block_hashes, start, shorter)
-            if shorter == k:
-                break
-            k = shorter
+        k = self.store.lookup(req.block_hashes, start, end)
         if k == start:
             return 0
-        for group in self.plan.groups:  # recency: what the request is about to load stays
-            first = max(start, group.spec.num_skipped_tokens(k * self.block_size) // self.block_size)
-            for i in range(first, k):
-                key = (req.block_hashes[i], group.group_id)
-                if not self.cpu.touch(key) and self.disk is not None:
-                    self.disk.touch(key)
+        self.store.touch(req.block_hashes, start, k)  # recency: what the request is about to load stays
         return (k - start) * self.block_size
 
     # ---- loads ---------------------------------------------------------------------------------------------
@@ -183,46 +140,24 @@ class OffloadingConnector(KVConnector):
         self.stored[req.request_id] = full
         t0 = time.perf_counter()
         nbytes = blocks = copies = 0
-        writes: list[tuple[Key, int, int]] = []
+        stored: list[tuple[Key, int]] = []
         for i in range(done, full):
             for g, table in enumerate(block_ids):
                 if i >= len(table) or table[i] == 0:
                     continue  # a sliding window let this block go
                 key = (req.block_hashes[i], g)
-                if self.cpu.touch(key) or (self.disk is not None and self.disk.touch(key)):
-                    continue
-                slot = self.cpu.allocate(key, pin=self.disk is not None)
+                slot = self.store.prepare_store(key)
                 if slot is None:
-                    self.stats.add("cpu_stores_skipped")  # every slot is being read or written
                     continue
                 copies += self.copier.to_slot(g, table[i], self.cpu.slot(slot))
                 nbytes, blocks = nbytes + self.copier.payload_bytes(g), blocks + 1
-                if self.disk is not None:
-                    writes.append((key, slot, g))
+                stored.append((key, slot))
         if not blocks:
             return
         if self._cuda:
             torch.cuda.current_stream(self.copier.buffers[0].device).synchronize()  # the slots are complete now
         self.stats.transfer("device_to_cpu", nbytes, time.perf_counter() - t0, blocks, copies)
-        for key, slot, g in writes:
-            with self._writes_lock:
-                self._writes_pending += 1
-            self._writer.submit(self._write, key, slot, g)
-
-    def _write(self, key: Key, slot: int, group: int) -> None:
-        """On the writer thread: the CPU entry (pinned until now) goes to disk."""
-        assert self.disk is not None
-        n = self.copier.payload_bytes(group)
-        try:
-            t0 = time.perf_counter()
-            if self.disk.write(key, memoryview(self.cpu.slot(slot).numpy())[:n]):
-                self.stats.transfer("cpu_to_disk", n, time.perf_counter() - t0, 1, 1)
-        except Exception:
-            logger.exception("KV offload: disk write failed")
-        finally:
-            self.cpu.unpin(key)
-            with self._writes_lock:
-                self._writes_pending -= 1
+        self.store.complete_store(stored)
 
     def request_finished(self, req: Request, block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
         self.stored.pop(req.request_id, None)
@@ -248,14 +183,11 @@ class OffloadingConnector(KVConnector):
 
     def flush(self) -> None:
         """Wait until every disk write queued so far is done (tests, shutdown)."""
-        if self.disk is not None:
-            self._writer.submit(lambda: None).result()
+        self.store.flush()
 
     def check_integrity(self) -> None:
         """Tier invariants; call when idle (no loads in flight, writes flushed)."""
-        self.cpu.check_integrity()
-        if self.disk is not None:
-            self.disk.check_integrity()
+        self.store.check_integrity()
 
     def metrics(self) -> dict[str, float]:
         out = self.stats.snapshot()
@@ -264,7 +196,7 @@ class OffloadingConnector(KVConnector):
             "kv_offload_cpu_capacity_bytes": float(self.cpu.capacity_bytes),
             "kv_offload_cpu_evictions_total": float(self.cpu.evictions),
             "kv_offload_loads_in_flight": float(len(self.loader.loads)),
-            "kv_offload_disk_writes_pending": float(self._writes_pending),
+            "kv_offload_disk_writes_pending": float(self.store.writes_pending),
         }
         if self.disk is not None:
             out |= {
@@ -277,6 +209,6 @@ class OffloadingConnector(KVConnector):
         return out
 
     def shutdown(self) -> None:
-        self.flush()
+        self.store.flush()
         self.loader.shutdown()
-        self._writer.shutdown(wait=True)
+        self.store.shutdown()

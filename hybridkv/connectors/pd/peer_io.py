@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from hybridkv.connectors.mesh_auth import MeshKeys
-from hybridkv.connectors.pd_messages import (
+from hybridkv.connectors.pd.protocol import (
     HandshakeReply,
     HandshakeRequest,
     LeaseReply,
@@ -25,7 +25,7 @@ from hybridkv.connectors.pd_messages import (
     parse_handshake_reply,
     parse_lease_reply,
 )
-from hybridkv.connectors.side_channel import request
+from hybridkv.connectors.pd.side_channel import request
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.connectors.offload_policy import make_policy
+from hybridkv.connectors.offload.policy import make_policy
 
 
 @dataclass

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridkv.connectors.mesh_auth import MAC_BYTES, NONCE_BYTES, MeshKeys, ReplayGuard, mac_ok, xor_stream
-from hybridkv.connectors.side_channel import (
+from hybridkv.connectors.pd.side_channel import (
     _HEAD,
     FRAME_HEADER,
     MAGIC,

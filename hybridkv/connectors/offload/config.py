@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.connectors.base import KVTransferConfig
-from hybridkv.connectors.offload_policy import EVICTION_POLICIES
+from hybridkv.connectors.offload.policy import EVICTION_POLICIES
 from hybridkv.kv.layout import CROSS_LAYERS_KEY
 from hybridkv.units import parse_bytes
 

@@ -1,4 +1,4 @@
-"""kv_transfer_params: the typed, signed form of what a prefill instance hands a decoder (vLLM's field names).
+"""kv_transfer_params from a client, parsed into the typed forms of `protocol` (vLLM's field names).
 
 A request to a prefill instance carries `{"do_remote_decode": true}` (`RemoteDecode`). When it finishes, the
 prefill instance keeps its blocks under a lease and answers with a `RemotePrefill`: where to read (engine id, side
@@ -12,18 +12,14 @@ Everything here is hostile input until `parse_transfer_params` returned: it rais
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
-import json
 import re
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.connectors.mesh_auth import mac, mac_ok
+from hybridkv.connectors.pd.protocol import PREFILL_KEYS, RemoteBatch, RemoteDecode, RemotePrefill, TransferParams
 
-EXPIRY_SLACK_S = 5  # clock difference tolerated between the prefill instance and the decoder
 MAX_BLOCK_ID = (1 << 31) - 1
 _ENGINE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
@@ -35,10 +31,6 @@ _UNSET_ON_PREFILL = ("do_remote_prefill", "remote_engine_id", "remote_block_ids"
                      "remote_request_id")  # fmt: skip
 
 
-def prompt_hash(token_ids: list[int]) -> str:
-    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
-
-
 @dataclass(frozen=True)
 class ParamLimits:
     """What this instance can take: its KV groups and the most blocks a request of max_model_len holds."""
@@ -48,79 +40,7 @@ class ParamLimits:
     max_tokens: int
 
 
-@dataclass(frozen=True)
-class RemoteDecode:
-    """To a prefill instance: keep this request's blocks under a lease for a decoder to read."""
-
-
-@dataclass(frozen=True)
-class RemotePrefill:
-    """To a decoder: read this prompt's KV from the prefill instance `engine_id` at `host:port`."""
-
-    engine_id: str
-    host: str
-    port: int
-    request_id: str  # the prefill instance's request id, for logs
-    lease_id: str  # 128-bit random hex: a capability for this lease only
-    block_ids: tuple[tuple[int, ...], ...]  # per group; 0 where no token reads (a sliding window let it go)
-    num_tokens: int
-    prompt_hash: str
-    expires_at: int  # wall-clock seconds: the lease ends by then unless a reader renews it
-    signature: str = ""
-
-    def signed_bytes(self) -> bytes:
-        fields = [self.engine_id, self.host, self.port, self.request_id, self.lease_id,
-                  [list(g) for g in self.block_ids], self.num_tokens, self.prompt_hash, self.expires_at]  # fmt: skip
-        return json.dumps(fields, separators=(",", ":")).encode()
-
-    def signed(self, params_key: bytes) -> RemotePrefill:
-        sig = mac(params_key, b"remote prefill", self.signed_bytes()).hex()
-        return replace(self, signature=sig)
-
-    def signature_ok(self, params_key: bytes) -> bool:
-        try:
-            tag = bytes.fromhex(self.signature)
-        except ValueError:
-            return False
-        return mac_ok(params_key, tag, b"remote prefill", self.signed_bytes())
-
-    def expired(self, now: float | None = None) -> bool:
-        return (time.time() if now is None else now) > self.expires_at + EXPIRY_SLACK_S
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "remote_request_id": self.request_id,
-            "remote_block_ids": [list(g) for g in self.block_ids],
-            "remote_num_tokens": self.num_tokens,
-            "prompt_hash": self.prompt_hash,
-            "lease_id": self.lease_id,
-            "expires_at": self.expires_at,
-            "signature": self.signature,
-        }
-
-
-@dataclass(frozen=True)
-class RemoteBatch:
-    """To a decoder, for a completions batch: each prompt's RemotePrefill in order (None: compute that prompt)."""
-
-    items: tuple[RemotePrefill | None, ...]
-
-
-def batch_json(items: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """One kv_transfer_params object for a batch, as routers pass it on unread."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "batch": items}
-
-
-TransferParams = RemoteDecode | RemotePrefill | RemoteBatch
 MAX_BATCH = 1024
-PREFILL_KEYS = frozenset({"do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_host", "remote_port",
-                          "remote_request_id", "remote_block_ids", "remote_num_tokens", "prompt_hash", "lease_id",
-                          "expires_at", "signature"})  # fmt: skip
 
 
 def parse_transfer_params(raw: Any, limits: ParamLimits) -> TransferParams | None:

@@ -1,10 +1,11 @@
 """Loader: copies a request's offloaded blocks into the KV blocks the scheduler allocated for it, on one thread.
 
-A load pins what it reads. CPU entries are pinned first, then disk entries get a *pending* CPU slot (reserving
-one may evict, never a pinned entry): the loader reads the file into it, verifies it and copies it to the
-device, so a disk hit leaves the block in the CPU tier too. A key already pending for another load is read
-through a private staging buffer instead. The first entry that is missing or corrupt ends the load with an
-error; entries verified before it are kept. `collect()` (engine thread) releases the pins of finished loads.
+A load pins what it reads (`TieredStore.prepare_load`). CPU entries are pinned first, then disk entries get a
+*pending* CPU slot (reserving one may evict, never a pinned entry): the loader reads the file into it, verifies
+it and copies it to the device, so a disk hit leaves the block in the CPU tier too. A key already pending for
+another load is read through a private staging buffer instead. The first entry that is missing or corrupt ends
+the load with an error; entries verified before it are kept. `collect()` (engine thread) releases the pins of
+finished loads.
 """
 
 from __future__ import annotations
@@ -18,22 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.connectors.offload_copy import BlockCopier
-from hybridkv.connectors.offload_cpu import CpuTier
-from hybridkv.connectors.offload_disk import DiskTier, Key
-from hybridkv.connectors.offload_stats import OffloadStats
+from hybridkv.connectors.offload.copier import BlockCopier
+from hybridkv.connectors.offload.key import describe
+from hybridkv.connectors.offload.stats import OffloadStats
+from hybridkv.connectors.offload.store import LoadItem, TieredStore
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class LoadItem:
-    group: int
-    block_id: int  # the device block to fill
-    key: Key
-    slot: int | None = None  # a pinned ready CPU entry, or (from disk) a pending one; None: staged
-    from_disk: bool = False
-    filled: bool = False  # from disk: the pending slot holds the verified entry
 
 
 @dataclass
@@ -53,14 +44,13 @@ class Load:
 class Loader:
     def __init__(
         self,
-        cpu: CpuTier,
-        disk: DiskTier | None,
+        store: TieredStore,
         copier: BlockCopier,
         stats: OffloadStats,
         device: torch.device,
         wake: Callable[[], None],
     ) -> None:
-        self.cpu, self.disk, self.copier, self.stats = cpu, disk, copier, stats
+        self.store, self.cpu, self.disk, self.copier, self.stats = store, store.cpu, store.disk, copier, stats
         self.wake = wake
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.loads: dict[str, Load] = {}
@@ -69,18 +59,7 @@ class Loader:
     def start(self, request_id: str, items: list[LoadItem]) -> None:
         load = Load(request_id, items)
         self.loads[request_id] = load
-        for item in items:  # every CPU entry first: reserving a slot for a disk entry may evict
-            item.slot = self.cpu.pin(item.key)
-        for item in items:
-            if item.slot is not None:
-                continue
-            if self.disk is None or not self.disk.contains(item.key):
-                load.error = f"block {item.key[0].hex()[:12]} of group {item.group} left the offload tiers"
-                break
-            item.from_disk = True
-            item.slot = self.cpu.allocate(item.key, ready=False)  # None: pending for another load, stage it
-        self.stats.add("disk_hit_blocks", sum(i.from_disk for i in items))
-        self.stats.add("cpu_hit_blocks", sum(i.slot is not None and not i.from_disk for i in items))
+        load.error = self.store.prepare_load(items)
         if load.error is None:
             load.future = self._pool.submit(self._run, load)
         else:
@@ -110,7 +89,7 @@ class Loader:
                 t0 = time.perf_counter()
                 status = self.disk.read(item.key, memoryview(slot.numpy())[:n])
                 if status != "ok":
-                    load.error = f"the disk entry of block {item.key[0].hex()[:12]} group {item.group} is {status}"
+                    load.error = f"the disk entry of {describe(item.key)} is {status}"
                     return
                 item.filled = True
                 seconds = time.perf_counter() - t0
@@ -122,17 +101,6 @@ class Loader:
             self.stream.synchronize()  # the blocks are complete before the scheduler hears of it
         seconds = time.perf_counter() - start - reading
         self.stats.transfer("cpu_to_device", nbytes, seconds, len(load.items), copies)
-
-    def _release(self, load: Load) -> None:
-        for item in load.items:
-            if item.slot is None:
-                continue
-            if not item.from_disk:
-                self.cpu.unpin(item.key)
-            elif item.filled:
-                self.cpu.commit(item.key)
-            else:
-                self.cpu.discard(item.key)
 
     def abort(self, request_id: str) -> bool:
         """True: the blocks may be freed now. False: a copy is running; `collect` lists the load when it ends."""
@@ -150,7 +118,7 @@ class Loader:
         done = [load for load in self.loads.values() if load.future.done()]
         for load in done:
             del self.loads[load.request_id]
-            self._release(load)
+            self.store.complete_load(load.items)
         return done
 
     def any_done(self) -> bool:

@@ -42,13 +42,12 @@ import uuid
 from pathlib import Path
 
 from hybridkv.connectors.mesh_auth import MeshKeys, mac, mac_ok
-from hybridkv.connectors.offload_policy import make_policy
+from hybridkv.connectors.offload.key import Key
+from hybridkv.connectors.offload.policy import make_policy
 from hybridkv.connectors.private_dir import make_private_dir
-from hybridkv.kv.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[BlockHash, int]  # (block hash, group id)
 MAGIC = b"HKVOFF02"
 FIELDS = struct.Struct("<8s32s32sIQ")  # magic, compat hash, block hash, group, payload bytes
 HEADER = struct.Struct("<8s32s32sIQ32s")  # FIELDS, then the tag: mac(disk key, FIELDS bytes, payload)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.connectors.descriptors import Descriptors
+from hybridkv.connectors.pd.descriptors import Descriptors
 
 
 def _nixl() -> tuple[Any, Any]:

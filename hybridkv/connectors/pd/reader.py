@@ -14,28 +14,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from hybridkv.connectors.base import ConnectorEvents
-from hybridkv.connectors.descriptors import Placement, block_moves, pair_descriptors
-from hybridkv.connectors.nixl_transport import NixlTransport
-from hybridkv.connectors.pd_messages import HandshakeRequest
-from hybridkv.connectors.peer_io import PeerIO, PeerResult, ResultKind, Target
-from hybridkv.connectors.transfer_params import RemotePrefill, prompt_hash
-from hybridkv.engine.request import Request
+from hybridkv.connectors.pd.descriptors import Placement, block_moves, pair_descriptors
+from hybridkv.connectors.pd.peer_io import PeerIO, PeerResult, ResultKind, Target
+from hybridkv.connectors.pd.protocol import HandshakeRequest, LoadState, RemotePrefill, prompt_hash
+from hybridkv.connectors.pd.transport import NixlTransport
 from hybridkv.kv.plan import KVPlan
+from hybridkv.kv.prefix import reusable_tokens
+from hybridkv.request.state import Request
 
 logger = logging.getLogger(__name__)
-
-
-class LoadState(Enum):
-    HANDSHAKE = "handshake"
-    CONFIRMING = "confirming"
-    READY = "ready"
-    READING = "reading"
-    RELEASING = "releasing"
-    FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -97,7 +87,7 @@ class NixlReader:
         if not isinstance(params, RemotePrefill):
             return 0
         same = params.prompt_hash == prompt_hash(req.prompt_token_ids) and params.num_tokens == req.num_prompt_tokens
-        need = max(0, req.num_prompt_tokens - 1 - num_local_tokens)
+        need = max(0, reusable_tokens(req.num_prompt_tokens) - num_local_tokens)
         if not same or need == 0:
             if not same:
                 logger.warning("request %s: prompt differs from the prefill's: computing it", req.request_id)

@@ -30,36 +30,33 @@ from hybridkv.connectors.base import (
     finished_ok,
     register_connector,
 )
-from hybridkv.connectors.descriptors import Placement, compat_hash
-from hybridkv.connectors.leases import LeaseTable
+from hybridkv.connectors.identity import compat_hash
 from hybridkv.connectors.mesh_auth import MeshKeys, load_secret
-from hybridkv.connectors.nixl_reader import NixlReader
-from hybridkv.connectors.nixl_transport import NixlTransport
-from hybridkv.connectors.pd_messages import (
+from hybridkv.connectors.pd.descriptors import Placement
+from hybridkv.connectors.pd.leases import LeaseTable
+from hybridkv.connectors.pd.params import ParamLimits, is_loopback, parse_transfer_params
+from hybridkv.connectors.pd.peer_io import PeerIO
+from hybridkv.connectors.pd.protocol import (
     HandshakeReply,
     HandshakeRequest,
     LeaseReply,
     LeaseRequest,
     Op,
     Refusal,
-    parse_request,
-)
-from hybridkv.connectors.peer_io import PeerIO
-from hybridkv.connectors.side_channel_server import SideChannelServer
-from hybridkv.connectors.transfer_params import (
-    ParamLimits,
     RemoteBatch,
     RemoteDecode,
     RemotePrefill,
     TransferParams,
     batch_json,
-    is_loopback,
-    parse_transfer_params,
+    parse_request,
     prompt_hash,
 )
-from hybridkv.engine.request import Request
+from hybridkv.connectors.pd.reader import NixlReader
+from hybridkv.connectors.pd.side_channel_server import SideChannelServer
+from hybridkv.connectors.pd.transport import NixlTransport
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
+from hybridkv.request.state import Request
 
 logger = logging.getLogger(__name__)
 

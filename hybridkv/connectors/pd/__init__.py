@@ -1,0 +1,1 @@
+"""NixlConnector: a decode instance reads the prompt KV of a prefill instance over NIXL."""
