@@ -7,6 +7,7 @@ and which earlier tokens it may see (causal, plus the layer's sliding window).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -26,11 +27,37 @@ class AttentionFn(Protocol):
         ...
 
 
+class RecurrentStates(Protocol):
+    """The recurrent state (Gated DeltaNet, Mamba2) of each request of a step, for the layers that keep one.
+
+    Request r of the step owns the flat tokens `spans[r] = (t0, t1)`; spans are in flat order and cover [0, N).
+    A recurrent layer runs each request's tokens through its scan separately (so a request's result never depends
+    on the batch it shares a step with), starting from `state(layer, r)` and leaving the state after the request's
+    last token in the same tensors, in place. A request whose first token is position 0 starts from zeros.
+    Shapes (`kv.state` sizes them from the config; the layer must agree):
+      conv       [K - 1, conv_dim]  the last K - 1 inputs of the causal conv, oldest first, token-major;
+      recurrent  Gated DeltaNet [Hv, dk, dv]; Mamba2 [H, P, N].
+    """
+
+    spans: Sequence[tuple[int, int]]
+
+    def state(self, layer: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv, recurrent) state of request r for `layer`, to read and overwrite in place."""
+        ...
+
+
 class CausalLM(nn.Module):
     """A decoder-only model over a flat token batch."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        """input_ids, positions: [N] (positions restart at each request's offset). Returns hidden [N, hidden]."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionFn,
+        states: RecurrentStates | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [N] (positions restart at each request's offset). Returns hidden [N, hidden].
+        `states` is given exactly when the model has recurrent layers."""
         raise NotImplementedError
 
     def fuse_projections(self) -> None:

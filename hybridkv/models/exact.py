@@ -1,0 +1,25 @@
+"""Row-invariant matmuls: a token's result must not depend on how many tokens share the call.
+
+CPU GEMM kernels pick another code path for a few rows (measured on torch 2.13 / this CPU: row results for
+M in {1, 2, 3, 5, 6, 7, 9, 10, 11} differ in the last bits from the same rows inside a bigger M; M = 4, 8 and
+every M >= 12 agree). Recurrent-hybrid models promise the same bits in every mode (a decode alone or beside
+others, a prompt whole or chunked), so their projections pad the rows to at least `MIN_ROWS`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MIN_ROWS = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` over x [M, in] whose rows equal those of any bigger call: fewer than MIN_ROWS rows are padded
+    with zeros and cut again."""
+    m = x.shape[0]
+    if m >= MIN_ROWS:
+        return F.linear(x, weight, bias)
+    padded = x.new_zeros(MIN_ROWS, x.shape[1])
+    padded[:m] = x
+    return F.linear(padded, weight, bias)[:m]

@@ -1,0 +1,35 @@
+"""An obviously correct `RecurrentStates` for one sequence: one conv and one recurrent tensor per layer, kept
+across forward passes. The oracle the runner's paged states are tested against, and what model tests drive."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+Shape = tuple[int, ...]
+
+
+class ReferenceStates:
+    """Call the model with it for every forward pass of one sequence, whose tokens arrive in order; `spans` is
+    set to the pass's one request before each call (`for_tokens`)."""
+
+    def __init__(
+        self,
+        shapes: Mapping[int, tuple[Shape, Shape]],  # layer -> (conv shape, recurrent shape)
+        conv_dtype: torch.dtype = torch.float32,
+        ssm_dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.conv = {layer: torch.zeros(c, dtype=conv_dtype, device=device) for layer, (c, _) in shapes.items()}
+        self.ssm = {layer: torch.zeros(s, dtype=ssm_dtype, device=device) for layer, (_, s) in shapes.items()}
+        self.spans: list[tuple[int, int]] = []
+
+    def for_tokens(self, n: int) -> ReferenceStates:
+        self.spans = [(0, n)]
+        return self
+
+    def state(self, layer: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if r != 0:
+            raise ValueError(f"ReferenceStates holds one sequence, asked for request {r}")
+        return self.conv[layer], self.ssm[layer]
