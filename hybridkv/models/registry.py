@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -10,17 +11,18 @@ import torch
 
 from hybridkv.kv.model_kv import load_hf_config
 from hybridkv.models.base import CausalLM, bind_attributes
-from hybridkv.models.gemma4 import Gemma4ForCausalLM
-from hybridkv.models.llama import LlamaForCausalLM
 from hybridkv.models.loader import load_weights, resolve_dtype
 
-MODELS: dict[str, type[CausalLM]] = {
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
-    "gemma4_text": Gemma4ForCausalLM,
-    "gemma4": Gemma4ForCausalLM,  # the text model of the multimodal checkpoint
+MODELS: dict[str, str] = {  # model_type -> "module:class", imported when first asked for
+    "llama": "hybridkv.models.llama:LlamaForCausalLM",
+    "mistral": "hybridkv.models.llama:LlamaForCausalLM",
+    "qwen2": "hybridkv.models.llama:LlamaForCausalLM",
+    "qwen3": "hybridkv.models.llama:LlamaForCausalLM",
+    "gemma4_text": "hybridkv.models.gemma4:Gemma4ForCausalLM",
+    "gemma4": "hybridkv.models.gemma4:Gemma4ForCausalLM",  # the text model of the multimodal checkpoint
+    "qwen3_5_text": "hybridkv.models.qwen3_5:Qwen3_5ForCausalLM",
+    "qwen3_5": "hybridkv.models.qwen3_5:Qwen3_5ForCausalLM",  # the text model of the multimodal checkpoint
+    "nemotron_h": "hybridkv.models.nemotron_h:NemotronHForCausalLM",
 }
 
 
@@ -28,7 +30,8 @@ def model_class(cfg: Mapping[str, Any]) -> type[CausalLM]:
     model_type = cfg.get("model_type")
     if model_type not in MODELS:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODELS))}")
-    return MODELS[model_type]
+    module, name = MODELS[model_type].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def build_model(
