@@ -91,14 +91,18 @@ def _layers(layers: tuple[int, ...] | list[int]) -> str:
 
 def _print_plan(p: KVPlan, alt: KVPlan, model_type: str, cache: CacheConfig) -> None:
     console = Console(highlight=False)
-    owners = sum(s is not None for s in p.specs)
-    console.print(
-        f"[bold]{model_type}[/]: {p.num_layers} layers, {owners} own KV, {len(p.shared)} share another layer's KV"
-    )
+    owners = sum(s is not None and not s.per_request_state for s in p.specs)
+    line = f"[bold]{model_type}[/]: {p.num_layers} layers, {owners} own KV, {len(p.shared)} share another layer's KV"
+    if p.state is not None:
+        stateless = p.num_layers - owners - len(p.shared) - len(p.state.slots)
+        line += f", {len(p.state.slots)} keep a recurrent state, {stateless} keep nothing"
+    console.print(line)
     groups = Table(title="KV cache groups (one block table each, one shared block pool)")
     for col in ("group", "kind", "window", "layers", "bytes/block", f"descriptors/block {p.layout}", alt.layout):
         groups.add_column(col)
     for g in p.groups:
+        if g.is_state_page:
+            continue  # summarised below, one row for all page groups
         groups.add_row(
             str(g.group_id),
             g.kind,
@@ -107,6 +111,17 @@ def _print_plan(p: KVPlan, alt: KVPlan, model_type: str, cache: CacheConfig) -> 
             format_bytes(g.used_bytes_per_block),
             str(p.descriptors_per_block(g.group_id)),
             str(alt.descriptors_per_block(g.group_id)),
+        )
+    if p.state is not None:
+        st, first = p.state, p.state.page_groups[0]
+        groups.add_row(
+            f"{first}-{st.page_groups[-1]}",
+            f"recurrent_state ({st.num_pages} page groups)",
+            "-",
+            _layers(st.layers),
+            format_bytes(p.bytes_per_block),
+            str(p.descriptors_per_block(first)),
+            str(alt.descriptors_per_block(first)),
         )
     console.print(groups)
     if p.shared:
@@ -126,6 +141,17 @@ def _print_plan(p: KVPlan, alt: KVPlan, model_type: str, cache: CacheConfig) -> 
         f"of {format_bytes(cache.memory_bytes)}"
     )
     console.print(f"KV bytes per token (owner layers): {format_bytes(p.kv_bytes_per_token)}")
+    if p.state is not None:
+        st = p.state
+        console.print(
+            f"recurrent state per request: {format_bytes(st.blob_bytes)} ({len(st.slots)} layers) in "
+            f"{st.num_pages} pages of {format_bytes(st.page_bytes)} = {format_bytes(st.bytes_per_request)} "
+            f"(padding {format_bytes(st.padding_bytes)}); block size stays {p.block_size} tokens"
+        )
+        console.print(
+            f"prefills split and resume exactly at multiples of {st.align} tokens (block size and scan chunks); "
+            f"checkpoints sit at block ends"
+        )
     console.print(
         f"one request of {p.max_model_len} tokens holds {p.blocks_per_request} blocks "
         f"({p.blocks_admitted_per_request} with a {p.max_num_batched_tokens}-token prefill chunk in flight)"

@@ -21,6 +21,9 @@ class PrefixHit:
 
     num_tokens: int
     blocks: tuple[tuple[Block, ...], ...]
+    # Tokens the groups without per-request state (attention) have cached, >= num_tokens: where the request
+    # branches off the cached history. A recurrent state checkpoint there lets the next request resume there.
+    branch_tokens: int = 0
 
     @staticmethod
     def empty(num_groups: int) -> PrefixHit:
@@ -60,7 +63,12 @@ class KVCacheCoordinator:
         specs = [m.spec for m in self.managers]
         k = common_resume_block(specs, lambda g, i: lookup(g, i) is not None, 0, end)
         blocks = tuple(tuple(m.hit_blocks(k, lambda i, g=g: lookup(g, i))) for g, m in enumerate(self.managers))
-        return PrefixHit(k * self.block_size, blocks)
+        branch = k
+        stateless = [g for g, spec in enumerate(specs) if not spec.per_request_state]
+        if len(stateless) < len(specs) and stateless:
+            held = lambda j, i: lookup(stateless[j], i) is not None  # noqa: E731
+            branch = common_resume_block([specs[g] for g in stateless], held, k, end)
+        return PrefixHit(k * self.block_size, blocks, branch * self.block_size)
 
     def allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make every group's table for `req_id` cover tokens [0, num_tokens). Tokens [0, num_computed_tokens)
@@ -114,7 +122,7 @@ class KVCacheCoordinator:
     def check_integrity(self, extra_refs: Counter[int] | None = None) -> None:
         """Pool invariants, plus: each block's reference count equals the tables (and `extra_refs`, e.g. a
         connector's holds) that contain it, no block serves two groups, the block-id lists match the tables, and
-        a table's null entries all come before its blocks."""
+        a table's null entries all come before its blocks (unless its kind has `interior_nulls`)."""
         self.pool.check_integrity()
         refs: Counter[int] = Counter(extra_refs or {})
         owner: dict[int, int] = {}
@@ -122,8 +130,9 @@ class KVCacheCoordinator:
             assert m.ids.keys() == m.tables.keys(), f"group {m.group_id}: id lists and tables cover other requests"
             for rid, table in m.tables.items():
                 assert m.ids[rid] == [b.block_id for b in table], f"group {m.group_id}: stale block ids of {rid}"
-                first = next((i for i, b in enumerate(m.ids[rid]) if b != 0), len(table))
-                assert 0 not in m.ids[rid][first:], f"group {m.group_id}: {rid} holds a block before a null entry"
+                if not m.spec.interior_nulls:  # a kind that allows it (a recurrent state) skips chunk-crossed entries
+                    first = next((i for i, b in enumerate(m.ids[rid]) if b != 0), len(table))
+                    assert 0 not in m.ids[rid][first:], f"group {m.group_id}: {rid} holds a block before a null entry"
                 for b in table:
                     if b is self.pool.null_block:
                         continue

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 
 from hybridkv.kv.managers import GroupManager
 from hybridkv.kv.spec import FullAttentionSpec, KVSpec, SlidingWindowSpec
+from hybridkv.kv.state import RecurrentStateSpec
+from hybridkv.kv.state_manager import StateManager
 
 
 @dataclass(frozen=True)
 class CacheKind:
-    """A cache kind: `name` is its spec's `kind` (also `KVGroup.kind` and `LayerAttn.kind`)."""
+    """A cache kind: `name` is its spec's `kind` (also `KVGroup.kind`, `LayerAttn.kind`, `LayerState.kind`)."""
 
     name: str
     spec: type[KVSpec]
@@ -49,3 +51,4 @@ def manager_for(spec: KVSpec) -> type[GroupManager]:
 
 register_cache_kind(CacheKind("full_attention", FullAttentionSpec, GroupManager))
 register_cache_kind(CacheKind("sliding_window", SlidingWindowSpec, GroupManager))
+register_cache_kind(CacheKind("recurrent_state", RecurrentStateSpec, StateManager))

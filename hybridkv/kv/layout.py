@@ -7,6 +7,9 @@ inside those S bytes. The layout maps (block b, offset o) to a buffer address:
 - per_layer: the S bytes are cut at offsets where every group has a layer boundary; each cut region [a, c)
              is its own buffer with block stride c - a; (b, o) -> region(o), b * (c - a) + (o - a).
              With uniform pages this is one buffer per slot, each shared by one layer of every group.
+
+State page groups (`state_plan`) own whole block ids and no layer page: they do not constrain the cuts, but
+they make every byte of every block id live, so a plan with state allocates every region, layers or not.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def _packed(groups: Sequence[KVGroup], bytes_per_block: int, num_blocks: int) ->
 def _region_cuts(groups: Sequence[KVGroup], bytes_per_block: int) -> list[int]:
     """Offsets in [0, S] where no group's layer page is split: every group has a boundary there, or
     the offset lies in that group's padding tail."""
-    candidates = {bytes_per_block}
+    candidates = {0, bytes_per_block}
     for g in groups:
         candidates.update(g.offsets)
     cuts = []
@@ -73,7 +76,9 @@ def _region_cuts(groups: Sequence[KVGroup], bytes_per_block: int) -> list[int]:
     return cuts
 
 
-def _per_layer(groups: Sequence[KVGroup], bytes_per_block: int, num_blocks: int) -> tuple[list[KVTensor], list[int]]:
+def _per_layer(
+    groups: Sequence[KVGroup], bytes_per_block: int, num_blocks: int, every_region: bool
+) -> tuple[list[KVTensor], list[int]]:
     cuts = _region_cuts(groups, bytes_per_block)
     tensors: list[KVTensor] = []
     sizes: list[int] = []
@@ -84,8 +89,8 @@ def _per_layer(groups: Sequence[KVGroup], bytes_per_block: int, num_blocks: int)
             for layer, off in zip(g.layers, g.offsets, strict=True):
                 if start <= off < end:
                     at.setdefault(off - start, []).append(layer)
-        if not at:
-            continue
+        if not at and not every_region:
+            continue  # no layer uses these bytes and no state page spans them
         buffer = len(sizes)
         sizes.append(width * num_blocks)
         tensors.extend(KVTensor(buffer, width * num_blocks, off, width, tuple(at[off])) for off in sorted(at))
@@ -95,8 +100,9 @@ def _per_layer(groups: Sequence[KVGroup], bytes_per_block: int, num_blocks: int)
 def build_tensors(
     layout: str, groups: Sequence[KVGroup], bytes_per_block: int, num_blocks: int
 ) -> tuple[tuple[KVTensor, ...], tuple[int, ...]]:
-    """The tensors and buffer sizes of `layout` ("per_layer" or "packed")."""
+    """The tensors and buffer sizes of `layout` ("per_layer" or "packed"); buffers in offset order."""
     if layout == "packed":
         return tuple(_packed(groups, bytes_per_block, num_blocks)), (bytes_per_block * num_blocks,)
-    tensors, sizes = _per_layer(groups, bytes_per_block, num_blocks)
+    every_region = any(g.is_state_page for g in groups)
+    tensors, sizes = _per_layer(groups, bytes_per_block, num_blocks, every_region)
     return tuple(tensors), tuple(sizes)

@@ -2,9 +2,10 @@
 
 A request's table in a group has one entry per block of tokens [0, num_tokens): entry i covers tokens
 [i * bs, (i + 1) * bs). Entries no future token reads (before the spec's `first_needed_block`) are the null
-block, and they are always the table's first entries: no block is held before a null entry
-(`remove_skipped_blocks` relies on it). Everything kind-specific comes from the group's spec; `kinds` pairs each
-spec class with its manager class.
+block, and for the attention kinds they are always the table's first entries: no block is held before a null
+entry (this manager's `remove_skipped_blocks` relies on it; a kind with `interior_nulls` has its own manager,
+`state_manager.StateManager`). Everything kind-specific comes from the group's spec; `kinds` pairs each spec
+class with its manager class.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 A layer's view has shape [num_blocks, block_size, 2, num_kv_heads, head_size] (2 = K, V; token-major, so one
 gather of whole blocks yields keys and values as views): block b of the view starts `offset + b * block_stride`
-bytes into its buffer. KV-sharing consumers get their target's view object.
+bytes into its buffer. KV-sharing consumers get their target's view object. Recurrent layers get no view: their
+state is read and written as whole block ids (`read_pages` / `write_pages`, the S bytes of each block id in offset
+order, whichever the layout), and `state_plan.StateLayout` says which bytes of the pages are which layer's.
 """
 
 from __future__ import annotations
@@ -39,6 +41,32 @@ class KVCacheMemory:
 
     def layer_view(self, layer: int) -> torch.Tensor:
         return self.views[layer]
+
+    def _regions(self) -> list[torch.Tensor]:
+        """Each region of a block id as a [num_blocks, width] byte view, in offset order (they tile S bytes)."""
+        n = self.plan.num_blocks
+        return [self.buffers[b][: n * width].view(n, width) for b, width in self.plan.page_regions()]
+
+    def read_pages(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """A copy of the S bytes of each block id: uint8 [len(block_ids), S]."""
+        ids = block_ids.to(device=self.device, dtype=torch.long)
+        parts = [r.index_select(0, ids) for r in self._regions()]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def write_pages(self, block_ids: torch.Tensor, data: torch.Tensor) -> None:
+        """Store `data` (uint8 [len(block_ids), S]) as the S bytes of each block id; the inverse of `read_pages`.
+        Block ids must be distinct (a state page is written by one request)."""
+        ids = block_ids.to(device=self.device, dtype=torch.long)
+        if data.dtype != torch.uint8 or data.shape != (ids.numel(), self.plan.bytes_per_block):
+            raise ValueError(
+                f"write_pages takes uint8 [{ids.numel()}, {self.plan.bytes_per_block}], got {data.dtype} "
+                f"{list(data.shape)}"
+            )
+        start = 0
+        for region in self._regions():
+            width = region.shape[1]
+            region.index_copy_(0, ids, data[:, start : start + width].to(self.device))
+            start += width
 
     @property
     def nbytes(self) -> int:

@@ -1,6 +1,9 @@
 """Turn a Hugging Face `config.json` into what each layer needs from the KV cache.
 
-Layers that share another layer's KV (Gemma 4's last `num_kv_shared_layers`) get no spec: they map to a target.
+A reader returns one entry per layer: a `LayerAttn` (attention), a `LayerState` (a recurrent layer: Gated
+DeltaNet, Mamba2) or None (a layer that keeps nothing: Nemotron-H's MLP and MoE layers), plus the KV-sharing
+map. Layers that share another layer's KV (Gemma 4's last `num_kv_shared_layers`) get no spec: they map to a
+target. The recurrent hybrids' readers are in `hybrid_configs.py`.
 """
 
 from __future__ import annotations
@@ -13,35 +16,24 @@ from typing import Any
 
 import torch
 
+from hybridkv.kv.hybrid_configs import HYBRID_READERS
 from hybridkv.kv.kinds import cache_kind
+from hybridkv.kv.layers import LayerAttn, head_dim, kv_heads
 from hybridkv.kv.spec import KVSpec, resolve_dtype
+from hybridkv.kv.state import LayerState
 
-
-@dataclass(frozen=True)
-class LayerAttn:
-    """Attention shape of one layer, before block size and dtype are chosen."""
-
-    kind: str  # a name in `kinds.CACHE_KINDS`: "full_attention" | "sliding_window"
-    num_kv_heads: int
-    head_size: int
-    sliding_window: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("num_kv_heads", "head_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer (from the model config), got {value!r}")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+__all__ = ["MODEL_READERS", "LayerAttn", "LayerState", "ModelKV", "load_hf_config", "model_kv_from_hf"]
 
 
 @dataclass(frozen=True)
 class ModelKV:
-    """Per-layer KV specs. `specs[i] is None` exactly when layer i reads `shared[i]`'s KV."""
+    """Per-layer KV specs. `specs[i] is None` exactly when layer i reads `shared[i]`'s KV or keeps nothing
+    (i in `stateless`)."""
 
     model_type: str
     specs: tuple[KVSpec | None, ...]
     shared: Mapping[int, int] = field(default_factory=dict)
+    stateless: frozenset[int] = frozenset()  # layers with no cache at all (MLP/MoE blocks of Nemotron-H)
 
     def __post_init__(self) -> None:
         for consumer, target in self.shared.items():
@@ -49,9 +41,16 @@ class ModelKV:
                 raise ValueError(f"layer {consumer} must share the KV of an earlier layer, not {target}")
             if self.specs[consumer] is not None or self.specs[target] is None:
                 raise ValueError(f"layer {consumer} shares layer {target}: it must have no spec, its target one")
-        missing = [i for i, s in enumerate(self.specs) if s is None and i not in self.shared]
+            if self.specs[target].per_request_state:
+                raise ValueError(f"layer {consumer} shares layer {target}, which keeps a recurrent state, not KV")
+        for i in sorted(self.stateless):
+            if not 0 <= i < len(self.specs) or self.specs[i] is not None or i in self.shared:
+                raise ValueError(f"stateless layer {i} must be a layer with no spec and no KV-sharing target")
+        missing = [
+            i for i, s in enumerate(self.specs) if s is None and i not in self.shared and i not in self.stateless
+        ]
         if missing:
-            raise ValueError(f"layers {missing} have neither a KV spec nor a KV-sharing target")
+            raise ValueError(f"layers {missing} have neither a KV spec, a KV-sharing target, nor are stateless")
 
     @property
     def num_layers(self) -> int:
@@ -75,12 +74,7 @@ def load_hf_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{p} is not valid JSON: {e}") from e
 
 
-def _head_dim(cfg: Mapping[str, Any]) -> int:
-    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-
-
-def _kv_heads(cfg: Mapping[str, Any]) -> int:
-    return cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+_head_dim, _kv_heads = head_dim, kv_heads
 
 
 _LAYER_KINDS = {"full_attention": "full_attention", "sliding_attention": "sliding_window"}
@@ -180,7 +174,8 @@ def _gemma4(cfg: Mapping[str, Any]) -> tuple[list[LayerAttn], dict[int, int]]:
     return layers, gemma4_kv_targets(types, cfg.get("num_kv_shared_layers", 0))
 
 
-MODEL_READERS: dict[str, Callable[[Mapping[str, Any]], tuple[list[LayerAttn], dict[int, int]]]] = {
+Reader = Callable[[Mapping[str, Any]], tuple[list[LayerAttn | LayerState | None], dict[int, int]]]
+MODEL_READERS: dict[str, Reader] = {
     "llama": _dense,
     "qwen3": _dense,
     "qwen2": _dense,
@@ -189,6 +184,7 @@ MODEL_READERS: dict[str, Callable[[Mapping[str, Any]], tuple[list[LayerAttn], di
     "gpt_oss": _gpt_oss,
     "gemma4_text": _gemma4,
     "gemma4": _gemma4,
+    **HYBRID_READERS,
 }
 
 
@@ -203,7 +199,10 @@ def model_kv_from_hf(cfg: Mapping[str, Any], *, block_size: int = 16, dtype: str
         raise ValueError(f"config of model_type {model_type!r} lacks the field {e.args[0]!r}") from e
     torch_dtype = resolve_dtype(dtype)
     specs = tuple(
-        None if i in shared else cache_kind(a.kind).spec.from_layer(a, dtype=torch_dtype, block_size=block_size)
+        None
+        if a is None or i in shared
+        else cache_kind(a.kind).spec.from_layer(a, dtype=torch_dtype, block_size=block_size)
         for i, a in enumerate(layers)
     )
-    return ModelKV(model_type=model_type, specs=specs, shared=shared)
+    stateless = frozenset(i for i, a in enumerate(layers) if a is None)
+    return ModelKV(model_type=model_type, specs=specs, shared=shared, stateless=stateless)

@@ -1,4 +1,8 @@
-"""KVPlan: the one immutable answer to "where does each layer's KV live". Every component reads it."""
+"""KVPlan: the one immutable answer to "where does each layer's KV live". Every component reads it.
+
+Attention layers own pages inside each block id (`KVTensor`s); recurrent layers own a per-request state blob cut
+into block-sized pages, one state page group per page (`state_plan.StateLayout`, re-exported here).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
-from hybridkv.kv.spec import KVSpec
+from hybridkv.kv.spec import AttentionSpec, KVSpec
+from hybridkv.kv.state_plan import StateLayout, StateSlot
+
+__all__ = ["KVGroup", "KVPlan", "KVTensor", "StateLayout", "StateSlot"]
 
 
 @dataclass(frozen=True)
 class KVGroup:
     """Layers of one kind that share a block table. A block id of this group owns, for each layer,
-    the page at byte `offsets[i]` of the block's `bytes_per_block` span (in the plan's address space)."""
+    the page at byte `offsets[i]` of the block's `bytes_per_block` span (in the plan's address space).
+    A state page group has no layers: its block is the whole span (one page of a request's state blob)."""
 
     group_id: int
     spec: KVSpec  # the group's semantics (kind, window, block size); layers may differ in heads/head size
@@ -34,7 +42,12 @@ class KVGroup:
 
     @property
     def used_bytes_per_block(self) -> int:
+        """Bytes the group's layer pages take (0 for a state page group, which takes the whole block)."""
         return sum(self.pages)
+
+    @property
+    def is_state_page(self) -> bool:
+        return self.spec.per_request_state
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,9 @@ class KVPlan:
     buffer_sizes: tuple[int, ...]
     max_model_len: int
     max_num_batched_tokens: int
+    # Every layer that reads paged KV (KV-sharing consumers included): the layers `group_of`/`tensor_of` answer.
+    attention_layers: tuple[int, ...]
+    state: StateLayout | None = None  # the recurrent state's blob and page groups; None without recurrent layers
 
     @property
     def num_layers(self) -> int:
@@ -78,7 +94,7 @@ class KVPlan:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return sum(s.bytes_per_token for s in self.specs if s is not None)
+        return sum(s.bytes_per_token for s in self.specs if isinstance(s, AttentionSpec))
 
     def owner(self, layer: int) -> int:
         """The layer whose memory `layer` reads: itself, or its KV-sharing target."""
@@ -89,6 +105,9 @@ class KVPlan:
         return {layer: g.group_id for g in self.groups for layer in g.layers}
 
     def group_of(self, layer: int) -> KVGroup:
+        """The group of an attention layer (or of its KV-sharing target)."""
+        if self.owner(layer) not in self._group_of:
+            raise ValueError(f"layer {layer} reads no paged KV (a recurrent or stateless layer): ask plan.state")
         return self.groups[self._group_of[self.owner(layer)]]
 
     @cached_property
@@ -96,7 +115,17 @@ class KVPlan:
         return {layer: t for t in self.tensors for layer in t.layers}
 
     def tensor_of(self, layer: int) -> KVTensor:
+        """The tensor of an attention layer (or of its KV-sharing target)."""
+        if self.owner(layer) not in self._tensor_of:
+            raise ValueError(f"layer {layer} reads no paged KV (a recurrent or stateless layer): ask plan.state")
         return self._tensor_of[self.owner(layer)]
+
+    def page_regions(self) -> list[tuple[int, int]]:
+        """(buffer, width) of every region of a block id, in offset order: one region of S bytes when packed,
+        one per buffer per-layer (a plan with state allocates every region, so they tile [0, S))."""
+        if self.layout == "packed":
+            return [(0, self.bytes_per_block)]
+        return [(b, size // self.num_blocks) for b, size in enumerate(self.buffer_sizes)]
 
     @property
     def blocks_per_request(self) -> int:
@@ -121,8 +150,11 @@ class KVPlan:
 
     def block_spans(self, group_id: int, block_id: int) -> list[tuple[int, int, int]]:
         """(buffer, byte start, byte length) regions holding block `block_id` of group `group_id`, merged where
-        contiguous: one region when packed, one per layer page (or run of adjacent pages) otherwise."""
+        contiguous: one region when packed, one per layer page (or run of adjacent pages) otherwise. A state page
+        group's block is all S bytes of the block id: one span per region."""
         group = self.groups[group_id]
+        if group.is_state_page:
+            return [(b, block_id * width, width) for b, width in self.page_regions()]
         spans: list[tuple[int, int, int]] = []
         for layer, page in zip(group.layers, group.pages, strict=True):
             t = self.tensor_of(layer)
@@ -152,20 +184,11 @@ class KVPlan:
             "blocks_admitted_per_request": self.blocks_admitted_per_request,
             "max_concurrency": round(self.max_concurrency, 4),
             "max_concurrency_conservative": round(self.max_concurrency_conservative, 4),
-            "groups": [
-                {
-                    "group_id": g.group_id,
-                    "kind": g.kind,
-                    "sliding_window": g.sliding_window,
-                    "block_size": g.block_size,
-                    "layers": list(g.layers),
-                    "offsets": list(g.offsets),
-                    "used_bytes_per_block": g.used_bytes_per_block,
-                    "descriptors_per_block": self.descriptors_per_block(g.group_id),
-                }
-                for g in self.groups
-            ],
+            "groups": self._groups_dict(),
+            "attention_layers": list(self.attention_layers),
+            "state": None if self.state is None else self.state.to_dict(),
             "shared_layers": {str(c): t for c, t in sorted(self.shared.items())},
+            "stateless_layers": [i for i, s in enumerate(self.specs) if s is None and i not in self.shared],
             "tensors": [
                 {
                     "buffer": t.buffer,
@@ -178,3 +201,37 @@ class KVPlan:
             ],
             "buffer_sizes": list(self.buffer_sizes),
         }
+
+    def _groups_dict(self) -> list[dict]:
+        """One entry per attention group; the state page groups summarised as one entry (all its layers)."""
+        out: list[dict] = [
+            {
+                "group_id": g.group_id,
+                "kind": g.kind,
+                "sliding_window": g.sliding_window,
+                "block_size": g.block_size,
+                "layers": list(g.layers),
+                "offsets": list(g.offsets),
+                "used_bytes_per_block": g.used_bytes_per_block,
+                "descriptors_per_block": self.descriptors_per_block(g.group_id),
+            }
+            for g in self.groups
+            if not g.is_state_page
+        ]
+        if self.state is not None:
+            first = self.state.page_groups[0]
+            out.append(
+                {
+                    "group_id": first,
+                    "group_ids": [first, self.state.page_groups[-1]],
+                    "num_page_groups": self.state.num_pages,
+                    "kind": self.groups[first].kind,
+                    "sliding_window": None,
+                    "block_size": self.block_size,
+                    "layers": list(self.state.layers),
+                    "offsets": [],
+                    "used_bytes_per_block": self.bytes_per_block,
+                    "descriptors_per_block": self.descriptors_per_block(first),
+                }
+            )
+        return out

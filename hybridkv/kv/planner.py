@@ -6,6 +6,11 @@ rest). All groups keep the user's block size, so a sliding window is never round
 S is chosen among the prefix sums of each bucket's pages to minimise the bytes one `max_model_len` request
 holds, fewer groups winning ties. Uniform pages with one bucket give one group of all layers; one full and one
 sliding layer give two one-layer groups aliasing one tensor.
+
+Recurrent state. S is chosen from the attention layers alone (so the block size never grows to fit a state);
+the states of all recurrent layers form one blob per request, cut into m = cdiv(blob, S) pages, one state page
+group each (ids after the attention groups; `state_plan`). The objective counts those m pages at every S
+candidate. A model without attention layers gets S = the blob, m = 1.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from dataclasses import dataclass
 
 from hybridkv.kv.layout import KV_LAYOUTS, build_tensors, choose_layout
 from hybridkv.kv.model_kv import ModelKV, model_kv_from_hf
-from hybridkv.kv.plan import KVGroup, KVPlan
-from hybridkv.kv.spec import KVSpec
+from hybridkv.kv.plan import KVGroup, KVPlan, StateLayout
+from hybridkv.kv.spec import KVSpec, cdiv
+from hybridkv.kv.state_plan import state_slots
 
 
 @dataclass(frozen=True)
@@ -42,11 +48,9 @@ class CacheConfig:
 Bucket = list[tuple[int, KVSpec]]
 
 
-def _buckets(model: ModelKV) -> list[Bucket]:
+def _buckets(owners: Bucket) -> list[Bucket]:
     by_key: dict[tuple, Bucket] = {}
-    for layer in model.owners:
-        spec = model.specs[layer]
-        assert spec is not None
+    for layer, spec in owners:
         by_key.setdefault(spec.group_key, []).append((layer, spec))
     # By the kind's plan order (full attention first), then by first layer: group ids are stable and readable.
     return sorted(by_key.values(), key=lambda b: (b[0][1].plan_order, b[0][0]))
@@ -69,7 +73,11 @@ def _pack(bucket: Bucket, capacity: int) -> list[Bucket]:
     return [sorted(b) for b in sorted(bins, key=lambda b: min(b)[0])]
 
 
-def _choose_groups(buckets: list[Bucket], max_model_len: int) -> tuple[int, list[Bucket]]:
+def _choose_groups(
+    buckets: list[Bucket], max_model_len: int, state_blob: int = 0, state_held: int = 0
+) -> tuple[int, list[Bucket]]:
+    """The block bytes S and the attention groups. A state blob of `state_blob` bytes takes cdiv(blob, S) page
+    groups of `state_held` blocks each per request: counted at every candidate S."""
     max_page = max(spec.page_size_bytes for b in buckets for _, spec in b)
     candidates = set()
     for b in buckets:
@@ -82,8 +90,9 @@ def _choose_groups(buckets: list[Bucket], max_model_len: int) -> tuple[int, list
     for capacity in sorted(candidates):
         groups = [g for b in buckets for g in _pack(b, capacity)]
         stride = max(sum(s.page_size_bytes for _, s in g) for g in groups)
-        held = sum(g[0][1].blocks_held(max_model_len) for g in groups)
-        key = (stride * held, len(groups))
+        pages = cdiv(state_blob, stride)
+        held = sum(g[0][1].blocks_held(max_model_len) for g in groups) + pages * state_held
+        key = (stride * held, len(groups) + pages)
         if best is None or key < best[0]:
             best = (key, stride, groups)
     assert best is not None
@@ -127,19 +136,33 @@ def _check_fits(groups: list[KVGroup], stride: int, num_blocks: int, cfg: CacheC
 
 def plan_kv_cache(model: ModelKV, cfg: CacheConfig) -> KVPlan:
     """Group the model's KV-owning layers, size the block pool from the budget and lay out the tensors."""
-    buckets = _buckets(model)
-    if not buckets:
+    owners = [(layer, spec) for layer in model.owners if (spec := model.specs[layer]) is not None]
+    if not owners:
         raise ValueError("the model has no layer that owns KV: nothing to plan")
-    block_sizes = {spec.block_size for b in buckets for _, spec in b}
+    block_sizes = {spec.block_size for _, spec in owners}
     if len(block_sizes) > 1:
         raise ValueError(f"all layers must use one block size, got {sorted(block_sizes)}")
-    stride, members = _choose_groups(buckets, cfg.max_model_len)
+    attention = [(layer, spec) for layer, spec in owners if not spec.per_request_state]
+    states = [(layer, spec) for layer, spec in owners if spec.per_request_state]
+    slots, blob = state_slots(states) if states else ((), 0)
+    buckets = _buckets(attention)
+    if buckets:
+        state_held = states[0][1].blocks_held(cfg.max_model_len) if states else 0
+        stride, members = _choose_groups(buckets, cfg.max_model_len, blob, state_held)
+    else:  # only recurrent layers: one page holds the whole state
+        stride, members = blob, []
     groups = [_make_group(i, m) for i, m in enumerate(members)]
+    state = None
+    if states:
+        # One spec for every page group: the table semantics depend only on the kind and the block size.
+        page_ids = tuple(range(len(groups), len(groups) + cdiv(blob, stride)))
+        groups += [KVGroup(g, states[0][1], (), (), ()) for g in page_ids]
+        state = StateLayout(page_groups=page_ids, page_bytes=stride, blob_bytes=blob, slots=slots)
     num_blocks = cfg.memory_bytes // stride
     _check_fits(groups, stride, num_blocks, cfg)
-    owner_specs = [s for s in model.specs if s is not None]
-    layout = choose_layout(cfg.kv_layout, cfg.enable_cross_layers_blocks, groups, owner_specs)
+    layout = choose_layout(cfg.kv_layout, cfg.enable_cross_layers_blocks, groups, [s for _, s in attention])
     tensors, buffer_sizes = build_tensors(layout, groups, stride, num_blocks)
+    attention_layers = sorted([layer for layer, _ in attention] + list(model.shared))
     return KVPlan(
         specs=model.specs,
         shared=dict(model.shared),
@@ -151,6 +174,8 @@ def plan_kv_cache(model: ModelKV, cfg: CacheConfig) -> KVPlan:
         buffer_sizes=buffer_sizes,
         max_model_len=cfg.max_model_len,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
+        attention_layers=tuple(attention_layers),
+        state=state,
     )
 
 

@@ -1,10 +1,14 @@
-"""KV specs: what one attention layer needs from the KV cache, per block of tokens."""
+"""KV specs: what one layer needs from the KV cache, per block of tokens.
+
+`KVSpec` is the kind interface (block-table semantics: which entries a request holds, what a hit needs);
+`AttentionSpec` adds the K/V shape of a paged attention layer. Recurrent-state specs live in `state.py`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -42,28 +46,28 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class KVSpec:
-    """One layer's KV shape. A page is one block of this layer: K and V for `block_size` tokens."""
+    """One layer's cache kind: the table semantics of a group of such layers, per block of `block_size` tokens."""
 
     kind: ClassVar[str] = "abstract"  # the name its entry in `kinds.CACHE_KINDS` goes by
     # Planner order of the groups (ties by first layer): full attention first, so group ids are stable.
     plan_order: ClassVar[int] = 1
-    num_kv_heads: int
-    head_size: int
+    # Whether a table of this kind may hold a block after a null entry (a recurrent state's tables do: entries a
+    # prefill chunk jumps over stay null). False keeps the attention rule "null entries come first".
+    interior_nulls: ClassVar[bool] = False
+    # Whether the layer keeps one per-request state blob (planned into state page groups) rather than pages of its
+    # own inside each block id.
+    per_request_state: ClassVar[bool] = False
     dtype: torch.dtype
     block_size: int
 
     def __post_init__(self) -> None:
-        for name in ("num_kv_heads", "head_size", "block_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_size * self.dtype.itemsize
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
 
     @property
     def page_size_bytes(self) -> int:
-        return self.block_size * self.bytes_per_token
+        """Bytes one layer of this kind takes per block id (an attention page; a state kind's whole state)."""
+        raise NotImplementedError
 
     @property
     def group_key(self) -> tuple:
@@ -111,13 +115,43 @@ class KVSpec:
             k = lo = lo - 1  # block lo - 1 is missing
 
     @classmethod
-    def from_layer(cls, layer: LayerAttn, *, dtype: torch.dtype, block_size: int) -> KVSpec:
+    def from_layer(cls, layer: Any, *, dtype: torch.dtype, block_size: int) -> KVSpec:
         """The spec of one model layer (`model_kv` reads it from the config); kinds take the fields they need."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSpec(KVSpec):
+    """A paged attention layer. A page is one block of this layer: K and V for `block_size` tokens."""
+
+    num_kv_heads: int
+    head_size: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("num_kv_heads", "head_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    def describe(self) -> list:
+        """What a peer must match for pages of this layer to mean the same (the connectors' compat hash)."""
+        return [self.kind, self.num_kv_heads, self.head_size, dtype_name(self.dtype)]
+
+    @classmethod
+    def from_layer(cls, layer: LayerAttn, *, dtype: torch.dtype, block_size: int) -> KVSpec:
         return cls(num_kv_heads=layer.num_kv_heads, head_size=layer.head_size, dtype=dtype, block_size=block_size)
 
 
 @dataclass(frozen=True, kw_only=True)
-class FullAttentionSpec(KVSpec):
+class FullAttentionSpec(AttentionSpec):
     """A token attends to every token before it: no block is ever skipped."""
 
     kind: ClassVar[str] = "full_attention"
@@ -139,7 +173,7 @@ class FullAttentionSpec(KVSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SlidingWindowSpec(KVSpec):
+class SlidingWindowSpec(AttentionSpec):
     """A token attends to itself and the `sliding_window - 1` tokens before it."""
 
     kind: ClassVar[str] = "sliding_window"

@@ -24,9 +24,9 @@ def test_plan_json_on_every_shipped_config(config):
     assert out["layout"] in ("per_layer", "packed")
     assert out["num_blocks"] * out["bytes_per_block"] == out["total_bytes"] <= 4 << 30
     assert out["max_concurrency"] >= out["max_concurrency_conservative"] > 0
-    assigned = sorted(i for g in out["groups"] for i in g["layers"])
+    assigned = sorted([i for g in out["groups"] for i in g["layers"]] + out["stateless_layers"])
     consumers = sorted(int(c) for c in out["shared_layers"])
-    assert sorted(assigned + consumers) == list(range(len(assigned) + len(consumers)))
+    assert sorted(assigned + consumers) == list(range(len(assigned) + len(consumers)))  # each layer once
     for g in out["groups"]:
         assert set(g) >= {"kind", "sliding_window", "block_size", "layers"}
     for t in out["tensors"]:

@@ -11,12 +11,14 @@ from hybridkv.kv.hashing import hash_blocks
 from hybridkv.kv.kinds import CACHE_KINDS, CacheKind, cache_kind, manager_for, register_cache_kind
 from hybridkv.kv.managers import GroupManager
 from hybridkv.kv.model_kv import ModelKV
-from hybridkv.kv.spec import FullAttentionSpec, KVSpec, SlidingWindowSpec, cdiv
+from hybridkv.kv.spec import AttentionSpec, FullAttentionSpec, SlidingWindowSpec, cdiv
+from hybridkv.kv.state import RecurrentStateSpec
+from hybridkv.kv.state_manager import StateManager
 from tests.kv.util import BS, full, plan, sliding
 
 
 @dataclass(frozen=True, kw_only=True)
-class LastBlockSpec(KVSpec):
+class LastBlockSpec(AttentionSpec):
     """A toy kind in the manner of a recurrent state: resuming at block k reads block k - 1 only."""
 
     kind: ClassVar[str] = "toy_last_block"
@@ -48,10 +50,11 @@ def toy_kind():
         del CACHE_KINDS["toy_last_block"]
 
 
-def test_the_table_holds_the_attention_kinds_with_the_generic_manager():
+def test_the_table_holds_the_built_in_kinds():
     assert {n: (k.spec, k.manager) for n, k in CACHE_KINDS.items()} == {
         "full_attention": (FullAttentionSpec, GroupManager),
         "sliding_window": (SlidingWindowSpec, GroupManager),
+        "recurrent_state": (RecurrentStateSpec, StateManager),
     }
     assert manager_for(full()) is manager_for(sliding()) is GroupManager
 

@@ -1,0 +1,148 @@
+"""State page groups through the coordinator: which entries a request holds, what is published as a checkpoint,
+and which hits resume (only where every page group holds the checkpoint)."""
+
+import random
+
+import pytest
+import torch
+
+from hybridkv.kv.coordinator import KVCacheCoordinator
+from hybridkv.kv.hashing import hash_blocks
+from hybridkv.kv.model_kv import ModelKV
+from hybridkv.kv.state import RecurrentStateSpec
+from tests.kv.util import BS, P, full, plan
+
+
+def state(bs: int = BS) -> RecurrentStateSpec:
+    """768 B of conv and 2 KiB of recurrent state: 2,816 B per layer, so three layers take 3 pages of P."""
+    return RecurrentStateSpec(dtype=torch.float32, block_size=bs, mixer="gated_deltanet", conv_shape=(3, 64),
+                              ssm_shape=(2, 16, 16), ssm_dtype=torch.float32, chunk_size=16)  # fmt: skip
+
+
+def coordinator(blocks: int = 64) -> KVCacheCoordinator:
+    m = ModelKV("test", (full(), state(), state(), state()), {})
+    p = plan(m, P * blocks, max_model_len=256, max_num_batched_tokens=128)
+    assert p.num_blocks == blocks and p.bytes_per_block == P
+    assert p.state.num_pages == 3 and p.state.page_groups == (1, 2, 3)
+    return KVCacheCoordinator(p)
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    return [random.Random(seed).randrange(1000) for _ in range(n)]
+
+
+def state_tables(c: KVCacheCoordinator, rid: str) -> list[list[int]]:
+    return c.block_ids(rid)[1:]
+
+
+def cached_state_entries(c: KVCacheCoordinator, hashes) -> list[set[int]]:
+    """Per page group, the entries published under the request's hashes."""
+    return [{e for e, h in enumerate(hashes) if c.pool.get_cached_block(h, g) is not None} for g in (1, 2, 3)]
+
+
+def step(c: KVCacheCoordinator, rid: str, hashes, computed: int, n: int) -> None:
+    """Schedule n tokens after `computed`, run them, publish: what the scheduler does per step."""
+    assert c.allocate(rid, computed + n, computed)
+    c.cache_blocks(rid, hashes, computed + n)
+    c.check_integrity()
+
+
+def test_prefill_then_decode_holds_the_live_entries_and_publishes_the_checkpoint():
+    c = coordinator()
+    hashes = hash_blocks(tokens(200), BS)
+    assert c.allocate("a", 100, 0)
+    for t in state_tables(c, "a"):  # a 100-token chunk takes one state, at its end: entry cdiv(100, 16) - 1
+        assert t == [0] * 6 + [t[6]] and t[6] != 0
+    c.cache_blocks("a", hashes, 100)
+    assert cached_state_entries(c, hashes) == [set()] * 3  # entry 6 holds the state after 100 tokens, not 112
+    c.check_integrity()
+    live = [t[6] for t in state_tables(c, "a")]
+    for computed in range(100, 111):  # decode 101 .. 111: in place, nothing published
+        step(c, "a", hashes, computed, 1)
+        assert [t[6] for t in state_tables(c, "a")] == live and len(state_tables(c, "a")[0]) == 7
+        assert cached_state_entries(c, hashes) == [set()] * 3
+    step(c, "a", hashes, 111, 1)  # 112 tokens computed: entry 6 is the state after exactly 7 blocks
+    assert cached_state_entries(c, hashes) == [{6}] * 3
+    assert c.allocate("a", 113, 112)  # crossing a block: a new live entry, the old one kept for the copy
+    for t, old in zip(state_tables(c, "a"), live, strict=True):
+        assert t[:6] == [0] * 6 and t[6] == old and t[7] not in (0, old)
+    c.cache_blocks("a", hashes, 113)
+    assert cached_state_entries(c, hashes) == [{6}] * 3
+    c.check_integrity()
+    assert c.allocate("a", 114, 113)  # one step later the old live entry goes (still cached)
+    for t, old in zip(state_tables(c, "a"), live, strict=True):
+        assert t[:7] == [0] * 7 and t[7] != 0
+        assert c.pool.blocks[old].ref_cnt == 0 and c.pool.blocks[old].key is not None
+    c.check_integrity()
+    c.free("a")
+    c.check_integrity()
+    assert c.pool.num_used_blocks == 0
+
+
+def test_a_long_chunk_takes_one_state_and_the_prediction_agrees():
+    c = coordinator()
+    hashes = hash_blocks(tokens(256), BS)
+    hit = c.find_cached_prefix(hashes, 256)
+    assert hit.num_tokens == 0
+    need = sum(m.num_blocks_to_allocate("a", 200, h, 0) for m, h in zip(c.managers, hit.blocks, strict=True))
+    free = c.pool.num_free_blocks
+    assert c.allocate("a", 200, 0)
+    assert need == free - c.pool.num_free_blocks == 13 + 3  # 13 attention blocks, one block per page group
+    assert all(sum(b != 0 for b in t) == 1 for t in state_tables(c, "a"))
+    c.cache_blocks("a", hashes, 200)
+    assert cached_state_entries(c, hashes) == [set()] * 3  # 200 is no block end
+    # The next chunk crosses three block ends without ending on one: nothing is a checkpoint.
+    c.remove_skipped_blocks("a", 200)
+    need = sum(m.num_blocks_to_allocate("a", 250, (), 200) for m in c.managers)
+    free = c.pool.num_free_blocks
+    assert c.allocate("a", 250, 200)
+    assert need == free - c.pool.num_free_blocks == 3 + 3
+    c.cache_blocks("a", hashes, 250)
+    assert cached_state_entries(c, hashes) == [set()] * 3  # entry 12 holds the state after 200, not 208
+    for t in state_tables(c, "a"):
+        assert [e for e, b in enumerate(t) if b] == [12, 15]
+    c.check_integrity()
+    c.free("a")
+    c.check_integrity()
+
+
+def checkpoint_at_112(c: KVCacheCoordinator, hashes) -> None:
+    assert c.allocate("a", 112, 0)
+    c.cache_blocks("a", hashes, 112)
+    assert cached_state_entries(c, hashes) == [{6}] * 3
+    c.free("a")
+
+
+def test_a_hit_resumes_at_the_checkpoint_every_page_group_holds():
+    c = coordinator()
+    hashes = hash_blocks(tokens(160), BS)
+    checkpoint_at_112(c, hashes)
+    hit = c.find_cached_prefix(hashes, 160)
+    assert hit.num_tokens == 112
+    for blocks in hit.blocks[1:]:  # only the state after 112 tokens is read: entry 6
+        assert [b.block_id != 0 for b in blocks] == [False] * 6 + [True]
+    assert c.allocate("b", 140, 112, hit)
+    for t, blocks in zip(state_tables(c, "b"), hit.blocks[1:], strict=True):
+        assert t[6] == blocks[6].block_id and [e for e, b in enumerate(t) if b] == [6, 8]
+    c.check_integrity()
+    c.free("b")
+    c.check_integrity()
+
+
+def test_no_hit_when_one_page_group_lost_the_checkpoint():
+    c = coordinator()
+    hashes = hash_blocks(tokens(160), BS)
+    checkpoint_at_112(c, hashes)
+    block = c.pool.get_cached_block(hashes[6], 2)
+    c.pool._evict(block)  # what reuse of that free block would do: page 1 of the checkpoint is gone
+    c.check_integrity()
+    assert c.find_cached_prefix(hashes, 160).num_tokens == 0
+
+
+@pytest.mark.parametrize("prompt", [112, 113, 128])
+def test_a_hit_leaves_the_last_token_and_needs_the_entry_before_the_resume_point(prompt):
+    c = coordinator()
+    hashes = hash_blocks(tokens(160), BS)
+    checkpoint_at_112(c, hashes)
+    # 112 tokens: the last must be computed, so the checkpoint at 112 cannot serve; 113 and 128 resume at 112.
+    assert c.find_cached_prefix(hashes[: prompt // BS], prompt).num_tokens == (0 if prompt == 112 else 112)
