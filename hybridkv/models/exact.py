@@ -4,6 +4,10 @@ CPU GEMM kernels pick another code path for a few rows (measured on torch 2.13 /
 M in {1, 2, 3, 5, 6, 7, 9, 10, 11} differ in the last bits from the same rows inside a bigger M; M = 4, 8 and
 every M >= 12 agree). Recurrent-hybrid models promise the same bits in every mode (a decode alone or beside
 others, a prompt whole or chunked), so their projections pad the rows to at least `MIN_ROWS`.
+
+Element-wise activations have the same trap: torch's CPU silu, sigmoid and softplus compute the elements left
+over after the vector loop with scalar code whose bits differ, so an element's result depends on the tensor's
+length (and the thread split). exp, log1p and division do not; the activations here are built from them.
 """
 
 from __future__ import annotations
@@ -23,3 +27,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     padded = x.new_zeros(MIN_ROWS, x.shape[1])
     padded[:m] = x
     return F.linear(padded, weight, bias)[:m]
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)), element for element independent of the tensor's size."""
+    return torch.reciprocal(torch.exp(-x).add_(1))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x / (1 + exp(-x)), element for element independent of the tensor's size."""
+    return x / torch.exp(-x).add_(1)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + exp(x)), and x itself above 20 (torch's default threshold); size-independent like `sigmoid`."""
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x)))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kv.model_kv import MODEL_READERS, LayerAttn
-from hybridkv.models.base import AttentionFn, CausalLM
+from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.llama import ACTIVATIONS
 from hybridkv.models.norm import norm_constants, rms_norm, scaled_rms_norm
@@ -220,7 +220,13 @@ class Gemma4ForCausalLM(CausalLM):
                 raise ValueError(f"{t} layers need one head_dim and a rope_parameters entry; got {dims}")
             self.rotary[t] = Rotary(cfg["rope_parameters"][t], dims.pop())
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionFn,
+        states: RecurrentStates | None = None,  # attention-only: always None
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids) * _in_dtype(self.embed_scale, self.embed_tokens.weight.dtype)
         per_layer = self._per_layer_inputs(input_ids, x) if self.ple_dim else None
         rope = {t: r(positions, x.dtype) for t, r in self.rotary.items()}

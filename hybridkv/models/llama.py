@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kv.model_kv import MODEL_READERS
-from hybridkv.models.base import AttentionFn, CausalLM
+from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.norm import norm_constants, scaled_rms_norm
 from hybridkv.models.rope import Rotary, apply_rope, rope_parameters
@@ -124,7 +124,13 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = None if tied else nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         self.rotary = Rotary(rope_parameters(cfg), head_dim)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionFn,
+        states: RecurrentStates | None = None,  # attention-only: always None
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         cos, sin = rope.cos, rope.sin

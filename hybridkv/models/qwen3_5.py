@@ -1,0 +1,285 @@
+"""Qwen3.5 text model: Gated DeltaNet layers and gated full-attention layers (3:1 in released checkpoints).
+
+Module names mirror transformers' (`layers.0.linear_attn.in_proj_qkv`, `layers.3.self_attn.q_proj`, ...): a
+text checkpoint loads by dropping `model.`, the multimodal one (`qwen3_5`) by dropping `model.language_model.`
+(its vision tower and MTP head are skipped).
+
+Exactness: every projection is `exact.linear` and every non-linearity is built from size-independent kernels
+(`exact.silu` ...), so a token's bits do not depend on what shares its call; a GDN layer runs each
+request alone: the chunked scan for a call of two or more tokens, the recurrent step for exactly one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridkv.models import exact
+from hybridkv.models import gated_deltanet as gdn
+from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
+from hybridkv.models.exact import linear
+from hybridkv.models.fuse import FusedLinear
+from hybridkv.models.rope import Rotary, apply_rope, rope_parameters
+
+Shape = tuple[int, ...]
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: x / rms(x) * (1 + weight), in float32 (transformers' Qwen3_5RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """The GDN output norm: x / rms(x) * weight (not 1 + weight), then * silu(z); over each head's dv."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf.to(x.dtype) * exact.silu(z.float())).to(x.dtype)
+
+
+def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, module.weight, module.bias)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: in_proj_qkv -> causal conv -> silu -> q, k, v; the gated delta rule per request;
+    a gated RMSNorm by z; out_proj. Decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)."""
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_k_heads, self.num_v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+        self.head_k_dim, self.head_v_dim = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads {self.num_v_heads} is not a multiple of {self.num_k_heads}")
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim  # channels q, k, v in this order
+        self.kernel = cfg.get("linear_conv_kernel_dim", 4)
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        # Holds the checkpoint's depthwise weight [conv_dim, 1, K]; the conv itself is gdn.causal_conv1d.
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg["rms_norm_eps"])
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.in_proj: FusedLinear | None = None  # one matmul for qkv, z, b, a: set by `fuse`
+
+    def state_shapes(self) -> tuple[Shape, Shape]:
+        """(conv [K - 1, conv_dim], recurrent [Hv, dk, dv])."""
+        return (self.kernel - 1, self.conv_dim), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def fuse(self) -> None:
+        self.in_proj = FusedLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+
+    def forward(self, layer: int, x: torch.Tensor, positions: torch.Tensor, states: RecurrentStates) -> torch.Tensor:
+        n, hv = x.shape[0], self.num_v_heads
+        if self.in_proj is not None:
+            qkv, z, b, a = linear(x, self.in_proj.weight).split(self.in_proj.sizes, -1)
+        else:
+            qkv, z, b, a = (_linear(p, x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+        taps = self.conv1d.weight[:, 0].t().contiguous()  # [K, conv_dim]
+        # Per head, in float32, token-major and contiguous: [N, Hv].
+        beta = exact.sigmoid(b.float().contiguous())
+        g = -self.A_log.float().exp() * exact.softplus(a.float() + self.dt_bias.float())
+
+        out = x.new_empty(n, hv, self.head_v_dim)
+        for r, (t0, t1) in enumerate(states.spans):
+            conv_state, recurrent_state = states.state(layer, r)
+            mixed, window = gdn.causal_conv1d(qkv[t0:t1], conv_state, taps)
+            conv_state.copy_(window)
+            mixed = exact.silu(mixed)  # [n_r, conv_dim], contiguous
+            q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), -1)
+            q = q.view(-1, self.num_k_heads, self.head_k_dim)
+            k = k.view(-1, self.num_k_heads, self.head_k_dim)
+            v = v.view(-1, hv, self.head_v_dim)
+            if t1 - t0 == 1:
+                o, s = gdn.recurrent_gated_delta_rule(q, k, v, g[t0:t1], beta[t0:t1], recurrent_state)
+            else:  # the chunk grid is anchored at the request's absolute position
+                start = int(positions[t0])
+                o, s = gdn.chunk_gated_delta_rule(q, k, v, g[t0:t1], beta[t0:t1], recurrent_state, start)
+            recurrent_state.copy_(s)
+            out[t0:t1] = o
+        out = self.norm(out, z.contiguous().view(n, hv, self.head_v_dim))
+        return _linear(self.out_proj, out.reshape(n, self.value_dim))
+
+
+class Attention(nn.Module):
+    """Full attention with an output gate (q_proj emits each head's query and gate, side by side), zero-centred
+    q/k norms and rotary embeddings on the first `rotary_dim` dims of each head."""
+
+    def __init__(self, cfg: Mapping[str, Any], head_dim: int, rotary_dim: int) -> None:
+        super().__init__()
+        hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        bias = cfg.get("attention_bias", False)
+        self.head_dim, self.rotary_dim, self.scale = head_dim, rotary_dim, head_dim**-0.5
+        self.q_proj = nn.Linear(hidden, heads * head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(head_dim, cfg["rms_norm_eps"])
+        self.k_norm = RMSNorm(head_dim, cfg["rms_norm_eps"])
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, head_dim]: rotate the first rotary_dim dims, pass the rest."""
+        r = self.rotary_dim
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), -1)
+
+    def forward(
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
+    ) -> torch.Tensor:
+        n, hd = x.shape[0], self.head_dim
+        query, gate = _linear(self.q_proj, x).view(n, -1, 2 * hd).split(hd, -1)  # each [N, heads, hd]
+        q = self.rope(self.q_norm(query), cos, sin)
+        k = self.rope(self.k_norm(_linear(self.k_proj, x).view(n, -1, hd)), cos, sin)
+        v = _linear(self.v_proj, x).view(n, -1, hd)
+        out = attn(layer, q, torch.stack((k, v), 1), self.scale).reshape(n, -1)
+        return _linear(self.o_proj, out * exact.sigmoid(gate.reshape(n, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(self.down_proj, exact.silu(_linear(self.gate_proj, x)) * _linear(self.up_proj, x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any], layer_type: str, head_dim: int, rotary_dim: int) -> None:
+        super().__init__()
+        self.is_linear = layer_type == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = Attention(cfg, head_dim, rotary_dim)
+        self.mlp = MLP(cfg["hidden_size"], cfg["intermediate_size"])
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [N, 1, rotary_dim]
+        attn: AttentionFn,
+        states: RecurrentStates,
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.is_linear:
+            x = x + self.linear_attn(layer, h, positions, states)
+        else:
+            x = x + self.self_attn(layer, h, *rope, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def text_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The text model's fields: `text_config` of a multimodal `qwen3_5` config (tie_word_embeddings from the
+    top level, where transformers reads it), else the config itself."""
+    if "text_config" not in cfg:
+        return {"rms_norm_eps": 1e-6, **cfg}
+    text = {"rms_norm_eps": 1e-6, **cfg["text_config"]}
+    text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return text
+
+
+def layer_types(cfg: Mapping[str, Any]) -> list[str]:
+    """`layer_types`, or every `full_attention_interval`-th layer full (older configs)."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0 else "linear_attention"
+        for i in range(n)
+    ]
+    unknown = set(types) - {"linear_attention", "full_attention"}
+    if len(types) != n or unknown:
+        raise ValueError(f"layer_types must name {n} layers linear_attention/full_attention, got {types}")
+    return list(types)
+
+
+class Qwen3_5ForCausalLM(CausalLM):
+    """qwen3_5_text, and the text model of qwen3_5. `layer_windows` is None for every layer (the attention layers
+    are full; GDN layers call no AttentionFn); `state_shapes()` gives each GDN layer's (conv, recurrent) shapes."""
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.multimodal = "text_config" in cfg
+        cfg = text_config(cfg)
+        cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        rope = rope_parameters(cfg)
+        if rope["rope_type"] != "default":
+            raise ValueError(f"unsupported rope_type {rope['rope_type']!r} for qwen3_5; supported: default")
+        rope.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+        # Text tokens carry one position on all three M-RoPE axes, so M-RoPE is plain RoPE over rotary_dim.
+        rotary_dim = int(head_dim * rope["partial_rotary_factor"])
+        self.layer_types = layer_types(cfg)
+        self.layer_windows: list[int | None] = [None] * len(self.layer_types)
+        self.kv_sharing: dict[int, int] = {}
+
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t, head_dim, rotary_dim) for t in self.layer_types)
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        tied = cfg.get("tie_word_embeddings", False)
+        self.lm_head = None if tied else nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.rotary = Rotary(rope, rotary_dim)
+
+    def state_shapes(self) -> dict[int, tuple[Shape, Shape]]:
+        """GDN layer -> (conv [K - 1, conv_dim], recurrent [Hv, dk, dv]), as `RecurrentStates` must size them."""
+        return {i: layer.linear_attn.state_shapes() for i, layer in enumerate(self.layers) if layer.is_linear}
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionFn,
+        states: RecurrentStates | None = None,
+    ) -> torch.Tensor:
+        if states is None:
+            raise ValueError("Qwen3.5 has Gated DeltaNet layers: forward needs `states`")
+        x = self.embed_tokens(input_ids)
+        tables = self.rotary(positions, x.dtype)
+        rope = (tables.cos, tables.sin)
+        for i, layer in enumerate(self.layers):
+            x = layer(i, x, positions, rope, attn, states)
+        return self.norm(x)
+
+    def fuse_projections(self) -> None:
+        for layer in self.layers:
+            if layer.is_linear:
+                layer.linear_attn.fuse()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Our state-dict name for a checkpoint tensor, or None to skip it (vision tower, MTP head, tied head)."""
+        if name.startswith(("mtp.", "model.visual.", "visual.")) or name.endswith("rotary_emb.inv_freq"):
+            return None
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None
+        return name.removeprefix("model.language_model.").removeprefix("model.")
