@@ -9,6 +9,7 @@ from typing import Any
 import hybridkv.connectors  # noqa: F401  (registers the connectors)
 from hybridkv.connectors.base import KVTransferConfig
 from hybridkv.connectors.offload.config import CONNECTOR_NAME, OffloadConfig, offload_transfer_config
+from hybridkv.engine.chunking import CHECKPOINT_POLICIES
 from hybridkv.kv.layout import KV_LAYOUTS
 from hybridkv.units import parse_bytes
 
@@ -27,6 +28,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True
+    # Recurrent-state models: where prefill chunks end so the state there is cached (`engine.chunking`).
+    state_checkpoints: str = "prompt_end"
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict, hash=False)
     # vLLM's --kv-transfer-config: a connector (PD, offloading). Its extra config also feeds the layout choice.
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = field(default=None, hash=False)
@@ -41,6 +44,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (a prompt token and one generated), got {self.max_model_len}")
+        if self.state_checkpoints not in CHECKPOINT_POLICIES:
+            raise ValueError(
+                f"state_checkpoints must be one of {', '.join(CHECKPOINT_POLICIES)}, got {self.state_checkpoints!r}"
+            )
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
         if self.kv_offload_cpu is not None or self.kv_offload_disk is not None:
             if self.kv_transfer_config is not None:

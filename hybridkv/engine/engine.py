@@ -17,6 +17,7 @@ import torch
 
 from hybridkv.connectors.base import CONNECTORS, EngineIdentity, KVConnector
 from hybridkv.connectors.identity import model_fingerprint
+from hybridkv.engine.chunking import ExactChunks, FreeChunks
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
@@ -68,8 +69,19 @@ class LLMEngine:
             identity = EngineIdentity(uuid.uuid4().hex, model_fingerprint(config.model), config.dtype)
             self.connector = CONNECTORS[config.kv_transfer_config.kv_connector](config.kv_transfer_config, identity)
             self.connector.register(self.plan, self.runner.memory)
+        chunking = FreeChunks()
+        if self.plan.state is not None:
+            chunking = ExactChunks(self.plan.state.align, config.state_checkpoints)
+            if config.max_num_batched_tokens < self.plan.state.align:
+                raise ValueError(
+                    f"max_num_batched_tokens={config.max_num_batched_tokens} is below {self.plan.state.align}, the "
+                    "unit a recurrent-state prefill is split in (block size and scan chunk): raise it to at least that"
+                )
         self.scheduler = Scheduler(
-            self.kv, SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len), self.connector
+            self.kv,
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len),
+            self.connector,
+            chunking,
         )
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(config.model)

@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hybridkv.engine.chunking import ExactChunks, FreeChunks
 from hybridkv.kv.coordinator import KVCacheCoordinator, PrefixHit
 from hybridkv.kv.prefix import reusable_tokens
 from hybridkv.request.batch import ScheduledChunk, SchedulerOutput
@@ -45,10 +46,17 @@ class Scheduler:
     With a connector, a request whose prompt KV can be loaded gets its blocks and waits in `waiting_for_kv`
     until the load finishes, then runs from its last prompt token."""
 
-    def __init__(self, kv: KVCacheCoordinator, config: SchedulerConfig, connector: KVConnector | None = None) -> None:
+    def __init__(
+        self,
+        kv: KVCacheCoordinator,
+        config: SchedulerConfig,
+        connector: KVConnector | None = None,
+        chunking: FreeChunks | ExactChunks | None = None,
+    ) -> None:
         self.kv = kv
         self.config = config
         self.connector = connector
+        self.chunking = chunking or FreeChunks()  # how much of a request runs per step (`chunking`)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
@@ -77,12 +85,17 @@ class Scheduler:
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
+        sample = start + n == req.num_tokens
+        # The token that reaches max_tokens ends the request: no later token reads the recurrent state after it,
+        # and a PD reader of a prefill (max_tokens 1) needs the state before its last prompt token, kept as it was.
+        last = sample and len(req.output_token_ids) + 1 >= req.params.max_tokens
         return ScheduledChunk(
             req.request_id,
             req.all_token_ids[start : start + n],
             start,
             self.kv.block_ids(req.request_id),
-            sample=start + n == req.num_tokens,
+            sample=sample,
+            keep_state=not last,
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -92,7 +105,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self.chunking.chunk_len(req, req.num_computed_tokens, budget)
+            if n == 0:  # no aligned chunk fits the rest of the budget: next step
+                i += 1
+                continue
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n, req.num_computed_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -108,13 +124,14 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and self._num_admitted() < self.config.max_num_seqs:
             req = self.waiting[0]
             hit = self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
+            req.branch_tokens = hit.branch_tokens
             external = self.connector.num_external_tokens(req, hit.num_tokens) if self.connector else 0
             if external:
                 if not self._start_load(req, hit, external):
                     break
                 continue
-            n = min(req.num_tokens - hit.num_tokens, budget)
-            if not self.kv.allocate(req.request_id, hit.num_tokens + n, hit.num_tokens, hit):
+            n = self.chunking.chunk_len(req, hit.num_tokens, budget)
+            if n == 0 or not self.kv.allocate(req.request_id, hit.num_tokens + n, hit.num_tokens, hit):
                 break
             self._admitted(req, hit)
             req.num_computed_tokens = hit.num_tokens
@@ -163,7 +180,7 @@ class Scheduler:
             if ok:
                 req.num_computed_tokens += req.num_external_tokens
                 self.stats.external_hit_tokens += req.num_external_tokens
-                self.kv.cache_blocks(rid, req.block_hashes, req.num_computed_tokens)
+                self.kv.cache_blocks(rid, req.block_hashes, self.chunking.publishable(req, req.num_computed_tokens))
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 continue
@@ -193,9 +210,10 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += len(chunk.token_ids)
-            self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+            publish = self.chunking.publishable(req, req.num_computed_tokens)
+            self.kv.cache_blocks(req.request_id, req.block_hashes, publish)
             if self.connector is not None:
-                self.connector.blocks_computed(req, self.kv.block_ids(req.request_id), req.num_computed_tokens)
+                self.connector.blocks_computed(req, self.kv.block_ids(req.request_id), publish)
             if not chunk.sample:
                 continue
             req.append_token(sampled[req.request_id])

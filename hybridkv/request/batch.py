@@ -8,13 +8,16 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ScheduledChunk:
     """Run tokens [start, start + len(token_ids)) of one request. `block_tables[g]` is the request's whole
-    table in group g; `sample` is set when the chunk reaches the request's last known token."""
+    table in group g; `sample` is set when the chunk reaches the request's last known token. `keep_state` false:
+    the recurrent state after the chunk is not stored (a prefiller's last token, whose reader needs the state
+    before it)."""
 
     request_id: str
     token_ids: list[int]
     start: int
     block_tables: list[list[int]]
     sample: bool
+    keep_state: bool = True
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,8 @@ class Request:
         self.num_external_tokens = 0
         self.kv_transfer_params_out: dict | None = None
         self.error: str | None = None
+        # Recurrent-state plans: a prefill chunk also ends here (where the prompt branches off cached history).
+        self.branch_tokens = 0
         self.final_text: str | None = None  # the output as text once it finished (the engine's detokenizer)
         self._update_hashes()
 

@@ -164,7 +164,7 @@ class PagedAttention:
         self,
         views: dict[int, torch.Tensor],
         layer_group: dict[int, int],
-        metadata: list[GroupMetadata],
+        metadata: list[GroupMetadata | None],
         step: StepIndex,
         workspace: Workspace | None = None,
     ) -> None:

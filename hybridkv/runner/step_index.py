@@ -8,6 +8,11 @@ decode gather 2048 keys:
   padded  consecutive requests with 2..tile queries: one call over a [B, max_q] query grid;
   tiled   one request with more than `tile` queries: one call per tile of queries, each over only the keys
           that tile can see (its window for sliding layers, its causal prefix for full attention).
+
+`exact` steps (plans with recurrent state, which promise the same bits in every mode) give every request with
+several queries a tiled run of its own, its tiles anchored at the chunk's start (a multiple of the tile, by the
+scheduler's aligned chunking): a query's kernel call then holds the same queries and keys whether the prompt
+ran whole or chunked, and whatever else shares the step.
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ class IndexPack:
         return self._views[i]
 
 
-def run_kind(num_queries: int, tile: int = QUERY_TILE) -> int:
-    return DECODE if num_queries == 1 else PADDED if num_queries <= tile else TILED
+def run_kind(num_queries: int, tile: int = QUERY_TILE, exact: bool = False) -> int:
+    if num_queries == 1:
+        return DECODE
+    return TILED if exact or num_queries > tile else PADDED
 
 
 @dataclass
@@ -70,6 +77,7 @@ class StepIndex:
     lengths: list[int]
     pack: IndexPack
     tile: int = QUERY_TILE
+    exact: bool = False
     rows: list[int] = field(init=False)
     positions: list[int] = field(init=False)
     runs: list[Run] = field(init=False)
@@ -80,7 +88,7 @@ class StepIndex:
         self.runs = []
         t = 0
         for r, n in enumerate(self.lengths):
-            kind = run_kind(n, self.tile)
+            kind = run_kind(n, self.tile, self.exact)
             last = self.runs[-1] if self.runs else None
             if last is not None and kind != TILED and last.kind == kind:
                 last.r1, last.t1, last.max_q = r + 1, t + n, max(last.max_q, n)

@@ -1,0 +1,85 @@
+"""One answer in every mode, for recurrent-state hybrids (tiny random Qwen3.5 and Nemotron-H, float32): the logits
+of every sampled step are bitwise equal to the request run alone with the whole prompt in one chunk, whether it
+shares its steps with other requests, its prompt is chunked under any token budget, it resumes from a cached
+prefix (a state checkpoint), it is preempted and recomputed, or the KV layout is per-layer or packed. Each test
+that relies on a fast path also checks that the path ran (a hit, a preemption)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.hybrid_util import GREEDY, HYBRIDS, alone, assert_same_bits, build_hybrid, engine, generate, prompts
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def checkpoint(request, tmp_path_factory):
+    pytest.importorskip("transformers")
+    return build_hybrid(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint) -> list[torch.Tensor]:
+    return alone(checkpoint, prompts())
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "packed"])
+def test_a_batch_equals_each_request_alone(checkpoint, reference, layout):
+    assert_same_bits(generate(engine(checkpoint, kv_layout=layout, enable_prefix_caching=False), prompts()), reference)
+
+
+@pytest.mark.parametrize("budget", [64, 100, 192])
+def test_chunked_prefill_under_any_budget_equals_one_chunk(checkpoint, reference, budget):
+    llm = engine(checkpoint, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    assert_same_bits(generate(llm, prompts()), reference)
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "packed"])
+def test_resuming_from_a_cached_state_checkpoint_equals_computing_it(checkpoint, reference, layout):
+    llm = engine(checkpoint, kv_layout=layout)
+    ps = prompts()
+    got = [generate(llm, [p])[0] for p in ps]  # one after another: later prompts hit earlier ones' checkpoints
+    stats = llm.engine.stats()
+    assert stats.prefix_hit_tokens >= 2 * 128, stats  # prompts 3 and 4 resumed at the checkpoint at 128 (or 96)
+    assert_same_bits(got, reference)
+
+
+def test_preemption_and_recompute_equal_the_undisturbed_run(checkpoint, reference):
+    plan = engine(checkpoint, max_model_len=256).engine.plan
+    room = plan.blocks_admitted_per_request + 8  # one long request and a bit: five cannot all fit
+    llm = engine(checkpoint, kv_cache_memory=room * plan.bytes_per_block, max_num_batched_tokens=128, max_model_len=256)
+    got = generate(llm, prompts())
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_same_bits(got, reference)
+
+
+def test_a_follow_up_turn_resumes_in_the_prompt_and_equals_its_run_alone(checkpoint):
+    """Turn 2 = turn 1's prompt, its answer, new tokens. It may reuse turn 1's prompt (computed as a prompt) but
+    not the answer's KV and states (computed one token at a time): with them its bits would differ."""
+    llm = engine(checkpoint)
+    first = prompts()[0]
+    out = llm.generate([first], GREEDY)[0].outputs[0].token_ids
+    follow = first + list(out) + [11, 12, 13] * 10
+    hits = llm.engine.stats().prefix_hit_tokens
+    (got,) = generate(llm, [follow])
+    assert llm.engine.stats().prefix_hit_tokens - hits == 128  # turn 1's prompt-end checkpoint, not beyond
+    (want,) = generate(engine(checkpoint, enable_prefix_caching=False), [follow])
+    assert_same_bits([got], [want])
+
+
+def test_a_shared_system_prompt_gets_a_checkpoint_at_its_branch_point(checkpoint):
+    """X, Y, Z share a 100-token system prompt. X's checkpoints lie past it; Y finds the system prompt's attention
+    blocks cached but no state there, so its prefill stops at the branch point; Z resumes from that checkpoint."""
+    rng = __import__("random").Random(5)
+    system = [rng.randrange(4, 500) for _ in range(100)]
+    xyz = [system + [rng.randrange(4, 500) for _ in range(50)] for _ in range(3)]
+    llm = engine(checkpoint)
+    unit = llm.engine.plan.state.align
+    hits = []
+    got = []
+    for p in xyz:
+        before = llm.engine.stats().prefix_hit_tokens
+        got += generate(llm, [p])
+        hits.append(llm.engine.stats().prefix_hit_tokens - before)
+    assert hits == [0, 0, 100 // unit * unit]
+    assert_same_bits(got, alone(checkpoint, xyz))
