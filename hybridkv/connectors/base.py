@@ -128,8 +128,10 @@ class KVConnector:
 
     def blocks_computed(self, req: Request, block_ids: list[list[int]], num_computed_tokens: int) -> None:
         """After each step that ran `req`: tokens [0, num_computed_tokens) now have KV in `block_ids` (per group;
-        0 where a sliding window let a block go). Stores must finish copying before returning, or hold the
-        blocks: the next step may reuse freed ones."""
+        0 where a sliding window let a block go) that may be reused by other requests (the scheduler passes only
+        what its prefix cache may publish: a recurrent-state plan never offers KV or states computed one token at
+        a time). Stores must finish copying before returning, or hold the blocks: the next step may reuse freed
+        ones."""
 
     def request_finished(self, req: Request, block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
         """Called once per finished request before its blocks are freed. Returns (hold the blocks until

@@ -31,7 +31,7 @@ from hybridkv.kv.plan import KVPlan
 logger = logging.getLogger(__name__)
 
 VERSION = 1
-COMPAT_VERSION = 1
+COMPAT_VERSION = 2  # 2: specs describe themselves (recurrent states), dtype names without "torch."
 CACHE_NAME = ".hybridkv-fingerprint.json"
 CHUNK = 8 << 20
 TOKENIZER_FILES = (
@@ -155,13 +155,18 @@ def model_fingerprint(model_dir: str | Path) -> str:
 
 def compat_hash(plan: KVPlan, model_fingerprint: str, dtype: str) -> str:
     """What two instances must share to exchange blocks: model, dtype, groups (kinds, windows, block size, layers,
-    page sizes), specs and KV sharing. The layout is not part of it: descriptors pair pages across layouts."""
+    page sizes), specs (a recurrent state's shapes, dtypes and scan chunk), state pages and KV sharing. The layout
+    is not part of it: descriptors pair pages across layouts."""
     desc = {
         "version": COMPAT_VERSION,
         "model": model_fingerprint,
         "dtype": dtype,
         "groups": [[g.kind, g.sliding_window, g.block_size, list(g.layers), list(g.pages)] for g in plan.groups],
-        "specs": [None if s is None else [s.kind, s.num_kv_heads, s.head_size, str(s.dtype)] for s in plan.specs],
+        "specs": [None if s is None else s.describe() for s in plan.specs],
         "shared": sorted(plan.shared.items()),
     }
+    if plan.state is not None:  # page size and slot offsets: where each layer's state sits in the page bytes
+        desc["state"] = plan.state.to_dict() | {
+            "slots": [[s.layer, s.conv_offset, s.ssm_offset] for s in plan.state.slots]
+        }
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()

@@ -16,18 +16,47 @@ import numpy as np
 
 from hybridkv.kv.plan import KVPlan
 
+Region = tuple[int, int, int, int]  # (start in the block's S bytes, address of block 0's piece, stride, width)
+
 
 @dataclass(frozen=True)
 class Placement:
-    """layer -> (address of its block-0 page, block stride in bytes), for every owner layer of one instance."""
+    """layer -> (address of its block-0 page, block stride in bytes), for every owner layer of one instance; and,
+    for a plan with recurrent state, `regions`: where each piece of a block id's S bytes lies (state pages are
+    whole blocks, paired byte range by byte range). Regions are in start order and tile [0, S)."""
 
     layers: Mapping[int, tuple[int, int]]
+    regions: tuple[Region, ...] = ()
 
     @staticmethod
     def of(plan: KVPlan, buffer_addrs: list[int]) -> Placement:
+        regions: list[Region] = []
+        if plan.state is not None:
+            start = 0
+            for buffer, width in plan.page_regions():
+                stride = plan.bytes_per_block if plan.layout == "packed" else width
+                regions.append((start, buffer_addrs[buffer], stride, width))
+                start += width
         return Placement(
-            {layer: (buffer_addrs[t.buffer] + t.offset, t.block_stride) for t in plan.tensors for layer in t.layers}
+            {layer: (buffer_addrs[t.buffer] + t.offset, t.block_stride) for t in plan.tensors for layer in t.layers},
+            tuple(regions),
         )
+
+    def tiles(self, block_bytes: int) -> bool:
+        """Whether `regions` cover [0, block_bytes) in order without gaps (a peer's claim, checked once)."""
+        end = 0
+        for start, _, stride, width in self.regions:
+            if start != end or width <= 0 or stride < width:
+                return False
+            end += width
+        return end == block_bytes
+
+    def address(self, block: int, offset: int) -> tuple[int, int]:
+        """(address of byte `offset` of block `block`, bytes of its region left from there)."""
+        for start, base, stride, width in self.regions:
+            if start <= offset < start + width:
+                return base + block * stride + offset - start, start + width - offset
+        raise ValueError(f"byte {offset} of a block lies in no region")
 
     def to_json(self) -> dict[str, list[int]]:
         return {str(layer): list(v) for layer, v in self.layers.items()}
@@ -62,18 +91,28 @@ def pair_descriptors(
     """`moves`: (group id, local block id, remote block id). Pages pair in group layer order; adjacent pairs merge
     while both sides are contiguous."""
     runs: list[list[int]] = []  # [local address, remote address, length]
+
+    def add(la: int, ra: int, length: int) -> None:
+        last = runs[-1] if runs else None
+        if last is not None and last[0] + last[2] == la and last[1] + last[2] == ra:
+            last[2] += length
+        else:
+            runs.append([la, ra, length])
+
     for group_id, local_block, remote_block in moves:
         group = plan.groups[group_id]
+        if group.is_state_page:  # the block's S bytes, cut where either side's regions are cut
+            offset = 0
+            while offset < plan.bytes_per_block:
+                la, local_left = local.address(local_block, offset)
+                ra, remote_left = remote.address(remote_block, offset)
+                length = min(local_left, remote_left)
+                add(la, ra, length)
+                offset += length
+            continue
         for layer, page in zip(group.layers, group.pages, strict=True):
-            base, stride = local.layers[layer]
-            la = base + local_block * stride
-            base, stride = remote.layers[layer]
-            ra = base + remote_block * stride
-            last = runs[-1] if runs else None
-            if last is not None and last[0] + last[2] == la and last[1] + last[2] == ra:
-                last[2] += page
-            else:
-                runs.append([la, ra, page])
+            (lbase, lstride), (rbase, rstride) = local.layers[layer], remote.layers[layer]
+            add(lbase + local_block * lstride, rbase + remote_block * rstride, page)
     arr = np.array(runs, dtype=np.uint64).reshape(-1, 3)
     local_descs = np.stack([arr[:, 0], arr[:, 2], np.full(len(arr), local_device, dtype=np.uint64)], axis=1)
     remote_descs = np.stack([arr[:, 1], arr[:, 2], np.full(len(arr), remote_device, dtype=np.uint64)], axis=1)

@@ -168,6 +168,7 @@ class HandshakeReply:
             "engine_id": self.engine_id,
             "agent_metadata": base64.b64encode(self.agent_metadata).decode(),
             "placement": self.placement.to_json(),
+            "state_regions": [list(r) for r in self.placement.regions],
             "num_blocks": self.num_blocks,
             "layout": self.layout,
         }
@@ -203,7 +204,8 @@ def parse_request(msg: Mapping[str, Any]) -> HandshakeRequest | LeaseRequest:
 def parse_handshake_reply(msg: Mapping[str, Any]) -> HandshakeReply | Refusal:
     if msg.get("ok") is not True:
         return _refusal(msg)
-    _keys(msg, {"ok", "engine_id", "agent_metadata", "placement", "num_blocks", "layout"})
+    fields = {"ok", "engine_id", "agent_metadata", "placement", "num_blocks", "layout"}
+    _keys(msg, fields | ({"state_regions"} if "state_regions" in msg else set()))
     meta = msg.get("agent_metadata")
     if not isinstance(meta, str) or len(meta) > MAX_METADATA * 4 // 3 + 4:
         raise ValueError("agent_metadata: malformed")
@@ -215,7 +217,8 @@ def parse_handshake_reply(msg: Mapping[str, Any]) -> HandshakeReply | Refusal:
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 1 <= num_blocks <= MAX_NUM_BLOCKS:
         raise ValueError("num_blocks: malformed")
     engine_id, layout = _match(msg, "engine_id", _ID), _match(msg, "layout", _LAYOUT)
-    return HandshakeReply(engine_id, metadata, _placement(msg.get("placement")), num_blocks, layout)
+    placement = _placement(msg.get("placement"), msg.get("state_regions", []))
+    return HandshakeReply(engine_id, metadata, placement, num_blocks, layout)
 
 
 def parse_lease_reply(msg: Mapping[str, Any]) -> LeaseReply | Refusal:
@@ -244,7 +247,7 @@ def _match(msg: Mapping[str, Any], key: str, pattern: re.Pattern[str]) -> str:
     return value
 
 
-def _placement(value: Any) -> Placement:
+def _placement(value: Any, regions: Any) -> Placement:
     if not isinstance(value, dict) or not 0 < len(value) <= MAX_LAYERS:
         raise ValueError("placement: malformed")
     layers = {}
@@ -259,4 +262,13 @@ def _placement(value: Any) -> Placement:
         if not ok:
             raise ValueError("placement: malformed")
         layers[int(layer)] = (pair[0], pair[1])
-    return Placement(layers)
+    if not isinstance(regions, list) or len(regions) > MAX_LAYERS:
+        raise ValueError("state_regions: malformed")
+    for r in regions:
+        if not (isinstance(r, list) and len(r) == 4 and all(_u64(v) for v in r)):
+            raise ValueError("state_regions: malformed")
+    return Placement(layers, tuple(tuple(r) for r in regions))
+
+
+def _u64(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64

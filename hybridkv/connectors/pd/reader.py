@@ -191,6 +191,8 @@ class NixlReader:
                 error = f"the instance at {host}:{port} is engine {reply.engine_id}, not {engine_id}"
             elif set(reply.placement.layers) != set(self.placement.layers):
                 error = "its KV placement names other layers than ours"
+            elif self.plan.state is not None and not reply.placement.tiles(self.plan.bytes_per_block):
+                error = f"its state regions do not tile a block of {self.plan.bytes_per_block} bytes"
             else:
                 try:
                     agent = self.transport.add_peer(reply.agent_metadata)

@@ -1,0 +1,62 @@
+"""PD on recurrent-state hybrids (tiny random Qwen3.5 and Nemotron-H): the state travels with the KV, and the
+answer through the proxy is the single instance's to the bit (text and every token's logprob), across layouts,
+and again when the decoder already holds a prefix of the prompt (it still pulls the state at the prompt's end)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from hybridkv import LLM, SamplingParams
+from tests.pd.pd_util import assert_clean, complete, proxy, server, transfers
+from tests.tiny_models import add_tokenizer
+
+PROMPTS = ["the quick brown fox " * n for n in (1, 2, 5, 9, 14)]  # up to ~280 tokens: around the split unit
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+def hybrid(request, tmp_path_factory):
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen3_5":
+        from tests.models.tiny_qwen3_5 import build
+
+        build(folder)
+    else:
+        from tests.models.tiny_nemotron_h import build_nemotron_h
+
+        build_nemotron_h(folder)
+    add_tokenizer(folder)
+    return str(folder)
+
+
+def single(model: str, prompts: list[str]) -> list[tuple[str, list[float]]]:
+    llm = LLM(model, kv_cache_memory="32MiB", max_model_len=512)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0))
+    return [(o.outputs[0].text, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+def through(url: str, prompts: list[str]) -> list[tuple[str, list[float]]]:
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda q: complete(url, q, logprobs=0), prompts))
+    return [(o["choices"][0]["text"], o["choices"][0]["logprobs"]["token_logprobs"]) for o in outs]
+
+
+@pytest.mark.parametrize("layouts", [("per-layer", "packed"), ("packed", "packed")])
+def test_through_the_proxy_equals_one_instance_bit_for_bit(hybrid, layouts):
+    p, d = server(hybrid, layouts[0]), server(hybrid, layouts[1])
+    x = proxy(p, d)
+    try:
+        want = single(hybrid, PROMPTS)
+        with transfers(d, at_least=len(PROMPTS) - 1) as first:  # every prompt but the 1-token-short one is read
+            assert through(x.url, PROMPTS) == want
+        assert_clean(p, d)
+        # The decoder now holds these prompts' aligned prefixes; it still reads each prompt's tail and the state.
+        with transfers(d, at_least=3) as again:
+            assert through(x.url, PROMPTS[2:]) == want[2:]
+        assert again["bytes"] < first["bytes"]
+        assert_clean(p, d)
+    finally:
+        for proc in (x, p, d):
+            proc.stop()
