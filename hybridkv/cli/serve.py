@@ -43,6 +43,13 @@ def serve(
         str | None,
         typer.Option(help="and on to disk: DIR:SIZE, e.g. /var/cache/hybridkv:20GiB (kept across restarts)"),
     ] = None,
+    state_checkpoints: Annotated[
+        str,
+        typer.Option(
+            help="recurrent-state models: where prefill chunks end so the state there is cached: prompt_end "
+            "(also at the prompt's last whole split unit, for follow-up turns) | chunk_end | none"
+        ),
+    ] = "prompt_end",
 ) -> None:
     import sys
     from pathlib import Path
@@ -73,6 +80,7 @@ def serve(
                 kv_transfer_config=kv_transfer_config,
                 kv_offload_cpu=kv_offload_cpu,
                 kv_offload_disk=kv_offload_disk,
+                state_checkpoints=state_checkpoints,
             )
         )
     except ValueError as e:
