@@ -168,6 +168,8 @@ class LLMEngine:
         """The one snapshot of counters and gauges (/metrics, /admin/kv); with `check_integrity`, also the KV
         core's and the connector's invariants checked. Call it on the thread that steps the engine."""
         s, pool, st = self.scheduler, self.kv.pool, self.scheduler.stats
+        held = self.kv.blocks_held_per_group()
+        state_groups = set(self.plan.state.page_groups) if self.plan.state is not None else set()
         integrity = None
         if check_integrity:
             try:
@@ -181,7 +183,9 @@ class LLMEngine:
             waiting_for_kv=len(s.waiting_for_kv),
             blocks_used=pool.num_used_blocks,
             blocks_free=pool.num_free_blocks,
-            group_blocks_used=tuple(self.kv.blocks_held_per_group()),
+            group_blocks_used=tuple(n for g, n in zip(self.plan.groups, held) if not g.is_state_page),
+            state_blocks_used=sum(n for g, n in zip(self.plan.groups, held) if g.is_state_page),
+            state_checkpoint_bytes=self.plan.bytes_per_block * sum(1 for _, g in pool.cached if g in state_groups),
             prefix_query_tokens=st.prefix_query_tokens,
             prefix_hit_tokens=st.prefix_hit_tokens,
             prompt_tokens=st.prompt_tokens,

@@ -83,3 +83,24 @@ def test_a_shared_system_prompt_gets_a_checkpoint_at_its_branch_point(checkpoint
         hits.append(llm.engine.stats().prefix_hit_tokens - before)
     assert hits == [0, 0, 100 // unit * unit]
     assert_same_bits(got, alone(checkpoint, xyz))
+
+
+@pytest.mark.parametrize(("policy", "budget"), [("none", 64), ("chunk_end", 2048), ("chunk_end", 64)])
+def test_other_checkpoint_policies_cache_less_and_compute_the_same(checkpoint, reference, policy, budget):
+    """none caches no state; chunk_end caches one only where the budget ends a chunk: with whole-prompt chunks
+    nothing (vLLM's "align" mode with a large budget), with 64-token chunks the prompts sharing 130 tokens hit."""
+    llm = engine(checkpoint, state_checkpoints=policy, max_num_batched_tokens=budget)
+    got = [generate(llm, [p])[0] for p in prompts()]
+    stats = llm.engine.stats()
+    hits = policy == "chunk_end" and budget == 64
+    assert (stats.prefix_hit_tokens >= 2 * 128) == hits and (stats.state_checkpoint_bytes > 0) == hits, stats
+    assert_same_bits(got, reference)
+
+
+def test_checkpoint_memory_is_reported(checkpoint):
+    llm = engine(checkpoint)
+    generate(llm, prompts()[:1])
+    stats = llm.engine.stats()
+    pages = llm.engine.plan.state.num_pages
+    assert stats.state_checkpoint_bytes == pages * llm.engine.plan.bytes_per_block  # one: at 128 (decode: never)
+    assert stats.state_blocks_used == 0  # the request finished: only the pool's cache holds the checkpoint

@@ -146,3 +146,20 @@ def test_a_hit_leaves_the_last_token_and_needs_the_entry_before_the_resume_point
     checkpoint_at_112(c, hashes)
     # 112 tokens: the last must be computed, so the checkpoint at 112 cannot serve; 113 and 128 resume at 112.
     assert c.find_cached_prefix(hashes[: prompt // BS], prompt).num_tokens == (0 if prompt == 112 else 112)
+
+
+def test_a_finished_request_frees_its_shallower_checkpoints_to_be_evicted_first():
+    """Checkpoints at 32 and 64 tokens (chunk ends), both held when the request ends: freed, the one at 32 sits
+    nearer the front of the free queue than the one at 64 (same bytes, less compute saved); both stay cached."""
+    c = coordinator()
+    hashes = hash_blocks(tokens(80), BS)
+    step(c, "a", hashes, 0, 32)
+    c.remove_skipped_blocks("a", 32)
+    step(c, "a", hashes, 32, 32)  # the request ends here, holding both: the old live entry and the new one
+    held = [c.pool.get_cached_block(hashes[e], 1) for e in (1, 3)]  # page 0 of the checkpoints at 32 and 64
+    assert all(b is not None for b in held)
+    c.free("a")
+    order = [b.block_id for b in c.pool.free_queue]
+    assert order.index(held[0].block_id) < order.index(held[1].block_id)
+    assert cached_state_entries(c, hashes)[0] >= {1, 3}
+    c.check_integrity()
