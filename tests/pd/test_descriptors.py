@@ -123,3 +123,46 @@ def test_compat_hash_ignores_layout_but_not_model_dtype_or_block_size():
 def test_placement_round_trips_through_json():
     p = placement(plan("per-layer"), 1 << 40)
     assert Placement.from_json(json.loads(json.dumps(p.to_json()))) == p
+
+
+HYBRID = json.loads((Path(__file__).parents[2] / "examples/configs/nemotron-h-8b.json").read_text())
+
+
+def hybrid_plan(layout: str, **config):
+    cache = CacheConfig(memory_bytes=256 << 20, max_model_len=1024, kv_layout=layout)
+    return plan_from_hf_config(HYBRID | config, cache, dtype="bfloat16")
+
+
+def test_compat_hash_names_the_scan_chunk_and_the_state_dtype_not_the_layout():
+    base = compat_hash(hybrid_plan("packed"), "m", "bfloat16")
+    assert compat_hash(hybrid_plan("per-layer"), "m", "bfloat16") == base
+    assert compat_hash(hybrid_plan("packed", chunk_size=64), "m", "bfloat16") != base
+    assert compat_hash(hybrid_plan("packed", mamba_ssm_cache_dtype="float32"), "m", "bfloat16") != base
+
+
+@pytest.mark.parametrize(("mine", "theirs"), [("packed", "packed"), ("packed", "per-layer"), ("per-layer", "packed")])
+def test_a_state_page_pairs_byte_for_byte_across_layouts(mine, theirs):
+    local_plan, remote_plan = hybrid_plan(mine), hybrid_plan(theirs)
+    here, there = placement(local_plan, 1 << 40), placement(remote_plan, 1 << 44)
+    s = local_plan.bytes_per_block
+    assert here.tiles(s) and there.tiles(s)
+    page_group = local_plan.state.page_groups[0]
+    d = pair_descriptors(local_plan, here, there, [(page_group, 3, 7)])
+    assert d.nbytes == s
+    if mine == theirs == "packed":
+        assert d.count == 1  # one descriptor per state page
+    k = 0  # descriptors come in byte order: byte k of local block 3 pairs with byte k of remote block 7
+    for la, ra, n in zip(d.local[:, 0].tolist(), d.remote[:, 0].tolist(), d.local[:, 1].tolist()):
+        assert (here.address(3, k)[0], there.address(7, k)[0]) == (la, ra) and n > 0
+        k += n
+    assert k == s
+
+
+def test_state_regions_that_do_not_tile_a_block_are_refused():
+    p = placement(hybrid_plan("per-layer"), 1 << 40)
+    s = hybrid_plan("per-layer").bytes_per_block
+    start, base, stride, width = p.regions[0]
+    assert not Placement(p.layers, ((start, base, stride, width - 1),) + p.regions[1:]).tiles(s)  # a gap
+    assert not Placement(p.layers, p.regions + p.regions[-1:]).tiles(s)  # past the block
+    assert not Placement(p.layers, ((start, base, width - 1, width),) + p.regions[1:]).tiles(s)  # overlapping blocks
+    assert not Placement(p.layers, ()).tiles(s)

@@ -142,6 +142,16 @@ def test_prefill_requests_take_vllms_unset_fields_only():
          "layout": "packed"},
         {"ok": True, "engine_id": "e", "agent_metadata": "", "placement": {"0": [1, 2]}, "num_blocks": 9,
          "layout": "packed", "extra": 1},
+        {"ok": True, "engine_id": "e", "agent_metadata": "", "placement": {"0": [1, 2]}, "num_blocks": 9,
+         "layout": "packed", "state_regions": {"0": 1}},
+        {"ok": True, "engine_id": "e", "agent_metadata": "", "placement": {"0": [1, 2]}, "num_blocks": 9,
+         "layout": "packed", "state_regions": [[0, 1, 2]]},
+        {"ok": True, "engine_id": "e", "agent_metadata": "", "placement": {"0": [1, 2]}, "num_blocks": 9,
+         "layout": "packed", "state_regions": [[0, -1, 2, 2]]},
+        {"ok": True, "engine_id": "e", "agent_metadata": "", "placement": {"0": [1, 2]}, "num_blocks": 9,
+         "layout": "packed", "state_regions": [[0, 1, 2, True]]},
+        {"ok": True, "engine_id": "e", "agent_metadata": "", "placement": {"0": [1, 2]}, "num_blocks": 9,
+         "layout": "packed", "state_regions": [[0, 1, 2, 2]] * 5000},
     ],
 )  # fmt: skip
 def test_hostile_handshake_replies_are_value_errors(reply):
