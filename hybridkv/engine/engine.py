@@ -61,6 +61,11 @@ class LLMEngine:
                 enable_cross_layers_blocks=cross_layers_enabled(config.extra_config),
             ),
         )
+        if self.plan.state is not None and config.max_num_batched_tokens < self.plan.state.align:
+            raise ValueError(
+                f"max_num_batched_tokens={config.max_num_batched_tokens} is below {self.plan.state.align}, the unit "
+                "a recurrent-state prefill is split in (block size and scan chunk): raise it to at least that"
+            )
         self.model = load_model(config.model, dtype=config.dtype, device=self.device)
         self.kv = KVCacheCoordinator(self.plan, enable_prefix_caching=config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.plan, self.device)
@@ -72,11 +77,6 @@ class LLMEngine:
         chunking = FreeChunks()
         if self.plan.state is not None:
             chunking = ExactChunks(self.plan.state.align, config.state_checkpoints)
-            if config.max_num_batched_tokens < self.plan.state.align:
-                raise ValueError(
-                    f"max_num_batched_tokens={config.max_num_batched_tokens} is below {self.plan.state.align}, the "
-                    "unit a recurrent-state prefill is split in (block size and scan chunk): raise it to at least that"
-                )
         self.scheduler = Scheduler(
             self.kv,
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len),

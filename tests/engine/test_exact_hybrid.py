@@ -104,3 +104,8 @@ def test_checkpoint_memory_is_reported(checkpoint):
     pages = llm.engine.plan.state.num_pages
     assert stats.state_checkpoint_bytes == pages * llm.engine.plan.bytes_per_block  # one: at 128 (decode: never)
     assert stats.state_blocks_used == 0  # the request finished: only the pool's cache holds the checkpoint
+
+
+def test_a_token_budget_below_the_split_unit_is_refused_with_the_fix(checkpoint):
+    with pytest.raises(ValueError, match="raise it to at least"):
+        engine(checkpoint, max_num_batched_tokens=16)
