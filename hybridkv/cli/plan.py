@@ -116,7 +116,7 @@ def _print_plan(p: KVPlan, alt: KVPlan, model_type: str, cache: CacheConfig) -> 
         st, first = p.state, p.state.page_groups[0]
         groups.add_row(
             f"{first}-{st.page_groups[-1]}",
-            f"recurrent_state ({st.num_pages} page groups)",
+            f"{p.groups[first].kind} ({st.num_pages} page groups)",
             "-",
             _layers(st.layers),
             format_bytes(p.bytes_per_block),

@@ -38,6 +38,10 @@ class FreeChunks:
         """Tokens whose full blocks may be published to the prefix cache."""
         return num_computed
 
+    def min_chunk(self, req: Request) -> int:
+        """The fewest tokens the request's next chunk can run: a budget below it schedules nothing for it."""
+        return 1
+
 
 @dataclass(frozen=True)
 class ExactChunks:
@@ -65,6 +69,10 @@ class ExactChunks:
                     end = stop
                     break
         return max(0, end - start)
+
+    def min_chunk(self, req: Request) -> int:
+        start, last = req.num_computed_tokens, req.num_prompt_tokens - 1
+        return 1 if start >= last else min(self.align - start % self.align, last - start)
 
     def publishable(self, req: Request, num_computed: int) -> int:
         if self.checkpoints == "none":

@@ -102,10 +102,20 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        # The first running request whose next chunk needs more than one token (an aligned prefill chunk), else
+        # the head of the queue, keeps that much of the budget from the requests before it: decodes ahead of it
+        # cannot starve it (with exact chunking a prefill chunk is all or nothing). A prefill ends; decodes wait.
+        first = next((r for r in self.running if self.chunking.min_chunk(r) > 1), None)
+        if first is None and self.waiting and self._num_admitted() < self.config.max_num_seqs:
+            first = self.waiting[0]
+        reserve = self.chunking.min_chunk(first) if first is not None else 0
+        reserve = reserve if reserve > 1 else 0  # one token always fits once the budget is positive
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self.chunking.chunk_len(req, req.num_computed_tokens, budget)
+            if req is first:
+                reserve = 0
+            n = self.chunking.chunk_len(req, req.num_computed_tokens, budget - reserve)
             if n == 0:  # no aligned chunk fits the rest of the budget: next step
                 i += 1
                 continue

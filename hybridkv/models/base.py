@@ -60,6 +60,11 @@ class CausalLM(nn.Module):
         `states` is given exactly when the model has recurrent layers."""
         raise NotImplementedError
 
+    def state_shapes(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Recurrent layer -> (conv shape, recurrent shape) the layer reads from `RecurrentStates`; the engine
+        checks them against the plan's (read from the config separately). Attention-only models: none."""
+        return {}
+
     def fuse_projections(self) -> None:
         """Optional: merge projections that read the same input (q/k/v, gate/up) into one matmul each.
         Called once after the weights are loaded; the default does nothing."""

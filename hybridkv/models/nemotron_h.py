@@ -51,7 +51,11 @@ DEFAULTS = dict(  # transformers' NemotronHConfig defaults for the fields we rea
 
 def model_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """A config dict with the older field names renamed and transformers' defaults filled in."""
-    cfg = {ALIASES.get(k, k): v for k, v in cfg.items()}
+    # Current names win over the older aliases when a config has both (as the KV config reader reads them).
+    cfg = {
+        **{ALIASES[k]: v for k, v in cfg.items() if k in ALIASES},
+        **{k: v for k, v in cfg.items() if k not in ALIASES},
+    }
     return DEFAULTS | {k: v for k, v in cfg.items() if v is not None}
 
 

@@ -11,7 +11,7 @@ from hybridkv.kv.plan import KVPlan
 from hybridkv.models.base import CausalLM
 from hybridkv.request.batch import SchedulerOutput
 from hybridkv.runner.attention import GroupMetadata, PagedAttention, Tile, Workspace
-from hybridkv.runner.states import PagedStates
+from hybridkv.runner.states import PagedStates, check_state_shapes
 from hybridkv.runner.step_index import QUERY_TILE, IndexPack, StepIndex, run_kind
 
 
@@ -26,6 +26,8 @@ class ModelRunner:
         self.exact = plan.state is not None
         self.query_tile = plan.state.align if plan.state is not None else QUERY_TILE
         self.layer_group = {layer: plan.group_of(layer).group_id for layer in plan.attention_layers}
+        if plan.state is not None:
+            check_state_shapes(model.state_shapes(), plan.state)
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput) -> tuple[list[str], torch.Tensor]:

@@ -73,3 +73,17 @@ class PagedStates:
         rows = self.blobs[torch.tensor(self._keep, dtype=torch.long, device=device)]
         ids = torch.tensor(self._dst, dtype=torch.long, device=device)
         self.memory.write_pages(ids, rows.view(len(self._keep) * self.layout.num_pages, self.layout.page_bytes))
+
+
+def check_state_shapes(model_shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]], layout: StateLayout) -> None:
+    """The model's recurrent layers read the shapes the plan gave them (both come from the config, read twice):
+    a mismatch is a ValueError naming the layer, before any request runs."""
+    planned = {s.layer: (tuple(s.spec.conv_shape), tuple(s.spec.ssm_shape)) for s in layout.slots}
+    model = {layer: (tuple(c), tuple(r)) for layer, (c, r) in model_shapes.items()}
+    if planned != model:
+        wrong = sorted(set(planned) ^ set(model) | {k for k in planned.keys() & model.keys() if planned[k] != model[k]})
+        raise ValueError(
+            f"the model's recurrent state shapes differ from the KV plan's at layers {wrong} "
+            f"(model {[model.get(k) for k in wrong]}, plan {[planned.get(k) for k in wrong]}): the config reader "
+            "(hybridkv/kv/hybrid_configs.py) and the model read this config differently"
+        )

@@ -3,6 +3,8 @@ every later token alone, the prompt-end checkpoint, and what may be published.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hybridkv.engine.chunking import ExactChunks, FreeChunks
@@ -74,3 +76,65 @@ def test_a_chunk_also_ends_at_the_branch_point_before_the_prompt_end():
     req.branch_tokens = 100  # the attention groups hold 100 tokens of cached history; no state checkpoint there
     assert schedule_all(ExactChunks(64), req, 1000) == [(0, 64), (64, 128), (128, 149), (149, 150)]
     assert schedule_all(ExactChunks(64, "chunk_end"), req, 1000) == [(0, 149), (149, 150)]
+
+
+def test_the_smallest_next_chunk():
+    exact = ExactChunks(64)
+    req = request(150)
+    assert exact.min_chunk(req) == 64
+    req.num_computed_tokens = 128
+    assert exact.min_chunk(req) == 21  # the tail to P1
+    req.num_computed_tokens = 149
+    assert exact.min_chunk(req) == 1
+    assert FreeChunks().min_chunk(request(150)) == 1
+
+
+def exact_scheduler(budget: int = 32):
+    from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
+    from hybridkv.kv.coordinator import KVCacheCoordinator
+    from hybridkv.kv.model_kv import ModelKV
+    from tests.kv.test_state_manager import state
+    from tests.kv.util import P, full, plan
+
+    spec = dataclasses.replace(state(), chunk_size=32)
+    p = plan(ModelKV("test", (full(), spec), {}), P * 64, max_model_len=256, max_num_batched_tokens=budget)
+    assert p.state.align == 32
+    return Scheduler(KVCacheCoordinator(p), SchedulerConfig(budget, 8, 256), chunking=ExactChunks(p.state.align))
+
+
+def test_the_state_after_a_requests_last_token_is_not_stored():
+    """The chunk whose token reaches max_tokens keeps the state as it was: a PD prefill (max_tokens 1) leaves the
+    state before its last prompt token for the decoder; later tokens of a longer request store theirs."""
+    from tests.engine.sched_util import schedule, update
+
+    for max_tokens, keeps in ((1, [True, True, False]), (3, [True, True, True, True, False])):  # [0,32) [32,49) [49,50)
+        s = exact_scheduler(2048)
+        s.add(Request("r", list(range(4, 54)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 16))
+        seen = []
+        while s.has_unfinished():
+            out = schedule(s)
+            seen += [c.keep_state for c in out.chunks]
+            update(s, out, {c.request_id: 1 for c in out.chunks if c.sample})
+        assert seen == keeps, (max_tokens, seen)
+
+
+def test_decodes_ahead_of_a_prefill_cannot_starve_it_at_a_budget_of_one_unit():
+    """Budget 32 = the unit: request a decodes while b prefills behind it. Without a reserve, a's one token
+    would leave 31 < 32 for b every step and b would never run."""
+    from tests.engine.sched_util import schedule, update
+
+    s = exact_scheduler(32)
+    a = Request("a", list(range(4, 20)), SamplingParams(max_tokens=50, ignore_eos=True), 16)
+    b = Request("b", list(range(4, 104)), SamplingParams(max_tokens=2, ignore_eos=True), 16)
+    s.add(a)
+    for _ in range(20):  # a: its prompt, then decodes
+        update(s, schedule(s), {"a": 1})
+    s.add(b)
+    progress = []
+    for _ in range(8):
+        out = schedule(s)
+        assert sum(len(c.token_ids) for c in out.chunks) <= 32
+        update(s, out, {c.request_id: 1 for c in out.chunks if c.sample})
+        progress.append(b.num_computed_tokens)
+    assert progress[-1] > 64, progress  # b moves on although a decodes in every step it can
+    s.kv.check_integrity()

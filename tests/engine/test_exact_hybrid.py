@@ -6,6 +6,8 @@ that relies on a fast path also checks that the path ran (a hit, a preemption)."
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -109,3 +111,17 @@ def test_checkpoint_memory_is_reported(checkpoint):
 def test_a_token_budget_below_the_split_unit_is_refused_with_the_fix(checkpoint):
     with pytest.raises(ValueError, match="raise it to at least"):
         engine(checkpoint, max_num_batched_tokens=16)
+
+
+def test_a_model_whose_state_shapes_differ_from_the_plan_is_refused(checkpoint, monkeypatch):
+    from hybridkv.models.base import CausalLM
+    from hybridkv.runner.model_runner import ModelRunner
+
+    llm = engine(checkpoint)
+    shapes = llm.engine.model.state_shapes()
+    layer = min(shapes)
+    wrong = {**shapes, layer: (shapes[layer][0], (1, 2, 3))}
+    monkeypatch.setattr(CausalLM, "state_shapes", lambda self: wrong)
+    monkeypatch.setattr(type(llm.engine.model), "state_shapes", lambda self: wrong)
+    with pytest.raises(ValueError, match=re.escape(f"differ from the KV plan's at layers [{layer}]")):
+        ModelRunner(llm.engine.model, llm.engine.plan, llm.engine.device)

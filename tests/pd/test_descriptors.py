@@ -125,12 +125,11 @@ def test_placement_round_trips_through_json():
     assert Placement.from_json(json.loads(json.dumps(p.to_json()))) == p
 
 
-HYBRID = json.loads((Path(__file__).parents[2] / "examples/configs/nemotron-h-8b.json").read_text())
-
-
-def hybrid_plan(layout: str, **config):
+def hybrid_plan(layout: str, name: str = "nemotron-h-8b", **config):
+    """Nemotron-H-8B: one region per block either way; Qwen3.5-0.8B per-layer: three regions per block."""
+    hf = json.loads((Path(__file__).parents[2] / f"examples/configs/{name}.json").read_text())
     cache = CacheConfig(memory_bytes=256 << 20, max_model_len=1024, kv_layout=layout)
-    return plan_from_hf_config(HYBRID | config, cache, dtype="bfloat16")
+    return plan_from_hf_config(hf | config, cache, dtype="bfloat16")
 
 
 def test_compat_hash_names_the_scan_chunk_and_the_state_dtype_not_the_layout():
@@ -142,10 +141,10 @@ def test_compat_hash_names_the_scan_chunk_and_the_state_dtype_not_the_layout():
 
 @pytest.mark.parametrize(("mine", "theirs"), [("packed", "packed"), ("packed", "per-layer"), ("per-layer", "packed")])
 def test_a_state_page_pairs_byte_for_byte_across_layouts(mine, theirs):
-    local_plan, remote_plan = hybrid_plan(mine), hybrid_plan(theirs)
+    local_plan, remote_plan = hybrid_plan(mine, "qwen3.5-0.8b"), hybrid_plan(theirs, "qwen3.5-0.8b")
     here, there = placement(local_plan, 1 << 40), placement(remote_plan, 1 << 44)
     s = local_plan.bytes_per_block
-    assert here.tiles(s) and there.tiles(s)
+    assert here.tiles(s, local_plan.num_blocks, 8) and there.tiles(s, remote_plan.num_blocks, 8)
     page_group = local_plan.state.page_groups[0]
     d = pair_descriptors(local_plan, here, there, [(page_group, 3, 7)])
     assert d.nbytes == s
@@ -159,10 +158,16 @@ def test_a_state_page_pairs_byte_for_byte_across_layouts(mine, theirs):
 
 
 def test_state_regions_that_do_not_tile_a_block_are_refused():
-    p = placement(hybrid_plan("per-layer"), 1 << 40)
-    s = hybrid_plan("per-layer").bytes_per_block
+    plan = hybrid_plan("per-layer", "qwen3.5-0.8b")
+    p, s, n = placement(plan, 1 << 40), plan.bytes_per_block, plan.num_blocks
+    assert p.tiles(s, n, 8) and len(p.regions) > 1
     start, base, stride, width = p.regions[0]
-    assert not Placement(p.layers, ((start, base, stride, width - 1),) + p.regions[1:]).tiles(s)  # a gap
-    assert not Placement(p.layers, p.regions + p.regions[-1:]).tiles(s)  # past the block
-    assert not Placement(p.layers, ((start, base, width - 1, width),) + p.regions[1:]).tiles(s)  # overlapping blocks
-    assert not Placement(p.layers, ()).tiles(s)
+    rest = p.regions[1:]
+    assert not Placement(p.layers, ((start, base, stride, width - 1), *rest)).tiles(s, n, 8)  # a gap
+    assert not Placement(p.layers, p.regions + p.regions[-1:]).tiles(s, n, 8)  # past the block
+    assert not Placement(p.layers, ((start, base, width - 1, width), *rest)).tiles(s, n, 8)  # blocks overlap
+    assert not Placement(p.layers, ()).tiles(s, n, 8)
+    assert not p.tiles(s, n, len(p.regions) - 1)  # more regions than a block of this plan can have
+    huge = (start, (1 << 64) - 1 - width, (1 << 64) - 1 - width, width)  # addresses past 2**64 at block 1
+    assert not Placement(p.layers, (huge, *rest)).tiles(s, n, 8)
+    assert p.fits(n) and not Placement({0: ((1 << 64) - 8, 8)}).fits(n)

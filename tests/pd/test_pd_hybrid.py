@@ -56,6 +56,14 @@ def test_through_the_proxy_equals_one_instance_bit_for_bit(hybrid, layouts):
         with transfers(d, at_least=3) as again:
             assert through(x.url, PROMPTS[2:]) == want[2:]
         assert again["bytes"] < first["bytes"]
+        # A prefill that generates more than its one token moved its state past the decoder's resume point: it
+        # hands out no lease (the decoder would compute the prompt itself).
+        assert (
+            complete(p.url, PROMPTS[3], max_tokens=2, kv_transfer_params={"do_remote_decode": True}).get(
+                "kv_transfer_params"
+            )
+            is None
+        )
         assert_clean(p, d)
     finally:
         for proc in (x, p, d):

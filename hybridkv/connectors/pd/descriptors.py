@@ -9,8 +9,10 @@ layouts one per layer page. KV-sharing consumers own no pages and never appear.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -42,21 +44,35 @@ class Placement:
             tuple(regions),
         )
 
-    def tiles(self, block_bytes: int) -> bool:
-        """Whether `regions` cover [0, block_bytes) in order without gaps (a peer's claim, checked once)."""
+    def tiles(self, block_bytes: int, num_blocks: int, max_regions: int) -> bool:
+        """Whether `regions` (at most `max_regions`) cover [0, block_bytes) in order without gaps, and every
+        address of `num_blocks` blocks stays below 2**64 (a peer's claim, checked once at its handshake)."""
+        if not self.regions or len(self.regions) > max_regions:
+            return False
         end = 0
-        for start, _, stride, width in self.regions:
-            if start != end or width <= 0 or stride < width:
+        for start, base, stride, width in self.regions:
+            if start != end or width <= 0 or stride < width or base + num_blocks * stride >= 1 << 64:
                 return False
             end += width
         return end == block_bytes
 
+    def fits(self, num_blocks: int) -> bool:
+        """Whether every layer's pages of `num_blocks` blocks have addresses below 2**64 (a peer's claim)."""
+        return all(base + num_blocks * stride < 1 << 64 for base, stride in self.layers.values())
+
     def address(self, block: int, offset: int) -> tuple[int, int]:
         """(address of byte `offset` of block `block`, bytes of its region left from there)."""
-        for start, base, stride, width in self.regions:
-            if start <= offset < start + width:
-                return base + block * stride + offset - start, start + width - offset
-        raise ValueError(f"byte {offset} of a block lies in no region")
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0:
+            raise ValueError(f"byte {offset} of a block lies in no region")
+        start, base, stride, width = self.regions[i]
+        if offset >= start + width:
+            raise ValueError(f"byte {offset} of a block lies in no region")
+        return base + block * stride + offset - start, start + width - offset
+
+    @cached_property
+    def _starts(self) -> list[int]:
+        return [r[0] for r in self.regions]
 
     def to_json(self) -> dict[str, list[int]]:
         return {str(layer): list(v) for layer, v in self.layers.items()}

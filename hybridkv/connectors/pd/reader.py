@@ -191,7 +191,11 @@ class NixlReader:
                 error = f"the instance at {host}:{port} is engine {reply.engine_id}, not {engine_id}"
             elif set(reply.placement.layers) != set(self.placement.layers):
                 error = "its KV placement names other layers than ours"
-            elif self.plan.state is not None and not reply.placement.tiles(self.plan.bytes_per_block):
+            elif not reply.placement.fits(reply.num_blocks):
+                error = "its KV placement has addresses past 2**64"
+            elif self.plan.state is not None and not reply.placement.tiles(
+                self.plan.bytes_per_block, reply.num_blocks, max_regions=len(self.plan.attention_layers) + 1
+            ):  # a per-layer block has at most one region per layer page, plus its padding
                 error = f"its state regions do not tile a block of {self.plan.bytes_per_block} bytes"
             else:
                 try:
@@ -214,7 +218,11 @@ class NixlReader:
     def _start_read(self, load: _Load) -> None:
         peer = self.peers[load.params.engine_id]
         device = self.transport.device_id
-        descs = pair_descriptors(self.plan, self.placement, peer.placement, load.moves, device, device)
+        try:
+            descs = pair_descriptors(self.plan, self.placement, peer.placement, load.moves, device, device)
+        except (ValueError, OverflowError) as e:  # the peer's placement, though checked, cannot serve this load
+            self._fail(load, f"cannot pair descriptors with the peer: {e}")
+            return
         if descs.count == 0:
             load.state = LoadState.RELEASING
             self.io.release_tracked(load.request_id, True)
