@@ -42,3 +42,15 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 def softplus(x: torch.Tensor) -> torch.Tensor:
     """log(1 + exp(x)), and x itself above 20 (torch's default threshold); size-independent like `sigmoid`."""
     return torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+
+
+def chunk_bounds(start: int, n: int, chunk: int) -> list[tuple[int, int]]:
+    """The chunks [a, b) (offsets into a call of n tokens starting at absolute position `start`) of a scan whose
+    grid is anchored at the sequence start: cut at every absolute multiple of `chunk`, so a prompt split at such
+    a multiple runs the same chunks whole or split."""
+    bounds, a = [], 0
+    while a < n:
+        b = min(n, a + chunk - (start + a) % chunk)
+        bounds.append((a, b))
+        a = b
+    return bounds

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridkv.models import exact
+
 CHUNK = 64
 
 
@@ -43,14 +45,8 @@ def causal_conv1d(
 
 
 def chunk_bounds(start: int, n: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
-    """The chunks [a, b) (offsets into a call of n tokens starting at absolute position `start`): cut at every
-    absolute multiple of `chunk`."""
-    bounds, a = [], 0
-    while a < n:
-        b = min(n, a + chunk - (start + a) % chunk)
-        bounds.append((a, b))
-        a = b
-    return bounds
+    """`exact.chunk_bounds` with GDN's chunk."""
+    return exact.chunk_bounds(start, n, chunk)
 
 
 def _expand_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:

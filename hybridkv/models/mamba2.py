@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridkv.models.exact import chunk_bounds
+
 
 def causal_conv(
     x: torch.Tensor,  # [T, D] new inputs, token-major
@@ -95,17 +97,6 @@ def _ssd_chunk(
     to_end = torch.exp(total[-1:] - total).t()[:, :, None]  # [H, L, 1]
     new = state * torch.exp(total[-1])[:, None, None] + torch.bmm(xh.transpose(1, 2), bh * to_end)  # [H, P, N]
     return y, new
-
-
-def chunk_bounds(start: int, length: int, chunk: int) -> list[tuple[int, int]]:
-    """The chunks [i0, i1) (offsets into the call) of a call covering absolute positions [start, start + length):
-    cut at every absolute multiple of `chunk`."""
-    bounds, i = [], 0
-    while i < length:
-        end = min(length, i + chunk - (start + i) % chunk)
-        bounds.append((i, end))
-        i = end
-    return bounds
 
 
 def ssd_chunk_scan(

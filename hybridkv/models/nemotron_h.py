@@ -24,6 +24,7 @@ from hybridkv.models import exact
 from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.exact import linear
 from hybridkv.models.mamba2 import causal_conv, ssd_chunk_scan, ssd_step
+from hybridkv.models.norm import RMSNorm
 
 MAMBA, ATTENTION, MLP_, MOE = "linear_attention", "full_attention", "mlp", "moe"
 PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP_, "E": MOE}
@@ -64,20 +65,6 @@ def layer_types(cfg: Mapping[str, Any]) -> list[str]:
     if cfg.get("layers_block_type"):
         return list(cfg["layers_block_type"])
     return [PATTERN[ch] for ch in cfg["hybrid_override_pattern"]]
-
-
-class RMSNorm(nn.Module):
-    """transformers' NemotronHRMSNorm: normalized in float32 and scaled by the weight in float32."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -26,3 +27,20 @@ def norm_constants(dim: int, eps: float, weight: torch.Tensor) -> tuple[torch.Te
     if weight.dtype != torch.float32:
         return None
     return weight * dim**0.5, torch.tensor((dim * eps) ** 0.5, device=weight.device)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * (offset + weight), in float32, then back to x's dtype: the plain form (offset 0, weight
+    starting at 1: Nemotron-H) or zero-centred (offset 1, weight starting at 0: Qwen3.5). Per-row reductions only,
+    so a row's bits do not depend on the rows beside it."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        scale = self.weight.float() if self.offset == 0.0 else self.offset + self.weight.float()
+        return (xf * scale).to(x.dtype)

@@ -11,13 +11,14 @@ request alone: the chunked scan for a call of two or more tokens, the recurrent 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from hybridkv.models import exact
+from hybridkv.models import exact, norm
 from hybridkv.models import gated_deltanet as gdn
 from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.exact import linear
@@ -27,18 +28,7 @@ from hybridkv.models.rope import Rotary, apply_rope, rope_parameters
 Shape = tuple[int, ...]
 
 
-class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm: x / rms(x) * (1 + weight), in float32 (transformers' Qwen3_5RMSNorm)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
+RMSNorm = functools.partial(norm.RMSNorm, offset=1.0)  # zero-centred: x / rms(x) * (1 + weight)
 
 
 class GatedRMSNorm(nn.Module):
