@@ -5,6 +5,7 @@ and again when the decoder already holds a prefix of the prompt (it still pulls 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +65,32 @@ def test_through_the_proxy_equals_one_instance_bit_for_bit(hybrid, layouts):
             )
             is None
         )
+        assert_clean(p, d)
+    finally:
+        for proc in (x, p, d):
+            proc.stop()
+
+
+def test_lm_eval_through_the_proxy_on_the_embedded_gdn_model_scores_the_single_instance_score(tmp_path):
+    """The seed's accuracy check on the recurrent hybrid: lm-eval local-completions through the PD proxy."""
+    pytest.importorskip("lm_eval")
+    import json
+
+    from hybridkv.evals import lm_eval_server_accuracy
+    from hybridkv.tasks.kv_recall import score
+
+    model = Path(__file__).parents[2] / "hybridkv" / "assets" / "gdn-model"
+    items = [json.loads(line) for line in (model / "heldout.jsonl").read_text().splitlines()[:24]]
+    data = tmp_path / "subset.jsonl"
+    data.write_text("".join(json.dumps(it) + "\n" for it in items))
+    llm = LLM(str(model), kv_cache_memory="32MiB", max_model_len=512)
+    outs = llm.generate([it["prompt"] for it in items], SamplingParams(max_tokens=8, temperature=0, stop=["\n"]))
+    single = sum(score(o.outputs[0].text, it["answer"]) for o, it in zip(outs, items)) / len(items)
+    p, d = server(str(model), "per-layer"), server(str(model), "packed")
+    x = proxy(p, d)
+    try:
+        with transfers(d, at_least=18):
+            assert lm_eval_server_accuracy(x.url, model.name, data) == pytest.approx(single)
         assert_clean(p, d)
     finally:
         for proc in (x, p, d):
