@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -36,13 +37,15 @@ def generate(
     if threads:
         torch.set_num_threads(threads)
     expected = None
-    if not prompt:  # the main job: the embedded model answers one of its held-out questions
-        if model is not None:
-            typer.echo("error: --model needs --prompt (without both, the embedded model runs its demo)", err=True)
+    if not prompt:  # the main job: an embedded model answers one of its held-out questions
+        heldout = Path(model or DEFAULT_MODEL_DIR) / "heldout.jsonl"
+        if not heldout.is_file():
+            typer.echo(f"error: --model needs --prompt: {heldout} does not exist (the embedded models ship one, e.g. "
+                       "hybridkv/assets/gdn-model)", err=True)  # fmt: skip
             raise typer.Exit(2)
         from hybridkv.tasks.kv_recall import read_jsonl
 
-        item = read_jsonl(DEFAULT_MODEL_DIR / "heldout.jsonl")[0]
+        item = read_jsonl(heldout)[0]
         prompt, expected = [item["prompt"]], item["answer"].strip()
     try:
         engine = LLMEngine(

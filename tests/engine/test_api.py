@@ -169,3 +169,18 @@ def test_min_tokens_also_defers_stop_strings(llm):
         "the lazy", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop], min_tokens=6)
     )
     assert len(early[0].outputs[0].token_ids) < 6 <= len(late[0].outputs[0].token_ids)
+
+
+def test_generate_without_a_prompt_runs_a_model_folders_heldout_demo():
+    """The embedded GDN hybrid answers its first held-out question, as the default model does."""
+    from hybridkv.engine.config import DEFAULT_MODEL_DIR
+
+    gdn = DEFAULT_MODEL_DIR.parent / "gdn-model"
+    r = subprocess.run(
+        ["hybridkv", "generate", "--model", str(gdn), "--threads", "1", "--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert ": correct]" in r.stdout, r.stdout
