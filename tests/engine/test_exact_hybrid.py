@@ -9,73 +9,65 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
-from tests.hybrid_util import GREEDY, HYBRIDS, alone, assert_same_bits, build_hybrid, engine, generate, prompts
-
-
-@pytest.fixture(scope="module", params=HYBRIDS)
-def checkpoint(request, tmp_path_factory):
-    pytest.importorskip("transformers")
-    return build_hybrid(request.param, tmp_path_factory.mktemp(request.param))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint) -> list[torch.Tensor]:
-    return alone(checkpoint, prompts())
+from tests.hybrid_util import GREEDY, alone, assert_same_bits, engine, generate, prompts
 
 
 @pytest.mark.parametrize("layout", ["per-layer", "packed"])
-def test_a_batch_equals_each_request_alone(checkpoint, reference, layout):
-    assert_same_bits(generate(engine(checkpoint, kv_layout=layout, enable_prefix_caching=False), prompts()), reference)
+def test_a_batch_equals_each_request_alone(hybrid_checkpoint, hybrid_reference, layout):
+    assert_same_bits(
+        generate(engine(hybrid_checkpoint, kv_layout=layout, enable_prefix_caching=False), prompts()), hybrid_reference
+    )
 
 
 @pytest.mark.parametrize("budget", [64, 100, 192])
-def test_chunked_prefill_under_any_budget_equals_one_chunk(checkpoint, reference, budget):
-    llm = engine(checkpoint, max_num_batched_tokens=budget, enable_prefix_caching=False)
-    assert_same_bits(generate(llm, prompts()), reference)
+def test_chunked_prefill_under_any_budget_equals_one_chunk(hybrid_checkpoint, hybrid_reference, budget):
+    llm = engine(hybrid_checkpoint, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    assert_same_bits(generate(llm, prompts()), hybrid_reference)
 
 
 @pytest.mark.parametrize("layout", ["per-layer", "packed"])
-def test_resuming_from_a_cached_state_checkpoint_equals_computing_it(checkpoint, reference, layout):
-    llm = engine(checkpoint, kv_layout=layout)
+def test_resuming_from_a_cached_state_checkpoint_equals_computing_it(hybrid_checkpoint, hybrid_reference, layout):
+    llm = engine(hybrid_checkpoint, kv_layout=layout)
     ps = prompts()
     got = [generate(llm, [p])[0] for p in ps]  # one after another: later prompts hit earlier ones' checkpoints
     stats = llm.engine.stats()
     assert stats.prefix_hit_tokens >= 2 * 128, stats  # prompts 3 and 4 resumed at the checkpoint at 128 (or 96)
-    assert_same_bits(got, reference)
+    assert_same_bits(got, hybrid_reference)
 
 
-def test_preemption_and_recompute_equal_the_undisturbed_run(checkpoint, reference):
-    plan = engine(checkpoint, max_model_len=256).engine.plan
+def test_preemption_and_recompute_equal_the_undisturbed_run(hybrid_checkpoint, hybrid_reference):
+    plan = engine(hybrid_checkpoint, max_model_len=256).engine.plan
     room = plan.blocks_admitted_per_request + 8  # one long request and a bit: five cannot all fit
-    llm = engine(checkpoint, kv_cache_memory=room * plan.bytes_per_block, max_num_batched_tokens=128, max_model_len=256)
+    llm = engine(
+        hybrid_checkpoint, kv_cache_memory=room * plan.bytes_per_block, max_num_batched_tokens=128, max_model_len=256
+    )
     got = generate(llm, prompts())
     assert llm.engine.scheduler.num_preemptions > 0
-    assert_same_bits(got, reference)
+    assert_same_bits(got, hybrid_reference)
 
 
-def test_a_follow_up_turn_resumes_in_the_prompt_and_equals_its_run_alone(checkpoint):
+def test_a_follow_up_turn_resumes_in_the_prompt_and_equals_its_run_alone(hybrid_checkpoint):
     """Turn 2 = turn 1's prompt, its answer, new tokens. It may reuse turn 1's prompt (computed as a prompt) but
     not the answer's KV and states (computed one token at a time): with them its bits would differ."""
-    llm = engine(checkpoint)
+    llm = engine(hybrid_checkpoint)
     first = prompts()[0]
     out = llm.generate([first], GREEDY)[0].outputs[0].token_ids
     follow = first + list(out) + [11, 12, 13] * 10
     hits = llm.engine.stats().prefix_hit_tokens
     (got,) = generate(llm, [follow])
     assert llm.engine.stats().prefix_hit_tokens - hits == 128  # turn 1's prompt-end checkpoint, not beyond
-    (want,) = generate(engine(checkpoint, enable_prefix_caching=False), [follow])
+    (want,) = generate(engine(hybrid_checkpoint, enable_prefix_caching=False), [follow])
     assert_same_bits([got], [want])
 
 
-def test_a_shared_system_prompt_gets_a_checkpoint_at_its_branch_point(checkpoint):
+def test_a_shared_system_prompt_gets_a_checkpoint_at_its_branch_point(hybrid_checkpoint):
     """X, Y, Z share a 100-token system prompt. X's checkpoints lie past it; Y finds the system prompt's attention
     blocks cached but no state there, so its prefill stops at the branch point; Z resumes from that checkpoint."""
     rng = __import__("random").Random(5)
     system = [rng.randrange(4, 500) for _ in range(100)]
     xyz = [system + [rng.randrange(4, 500) for _ in range(50)] for _ in range(3)]
-    llm = engine(checkpoint)
+    llm = engine(hybrid_checkpoint)
     unit = llm.engine.plan.state.align
     hits = []
     got = []
@@ -84,23 +76,23 @@ def test_a_shared_system_prompt_gets_a_checkpoint_at_its_branch_point(checkpoint
         got += generate(llm, [p])
         hits.append(llm.engine.stats().prefix_hit_tokens - before)
     assert hits == [0, 0, 100 // unit * unit]
-    assert_same_bits(got, alone(checkpoint, xyz))
+    assert_same_bits(got, alone(hybrid_checkpoint, xyz))
 
 
 @pytest.mark.parametrize(("policy", "budget"), [("none", 64), ("chunk_end", 2048), ("chunk_end", 64)])
-def test_other_checkpoint_policies_cache_less_and_compute_the_same(checkpoint, reference, policy, budget):
+def test_other_checkpoint_policies_cache_less_and_compute_the_same(hybrid_checkpoint, hybrid_reference, policy, budget):
     """none caches no state; chunk_end caches one only where the budget ends a chunk: with whole-prompt chunks
     nothing (vLLM's "align" mode with a large budget), with 64-token chunks the prompts sharing 130 tokens hit."""
-    llm = engine(checkpoint, state_checkpoints=policy, max_num_batched_tokens=budget)
+    llm = engine(hybrid_checkpoint, state_checkpoints=policy, max_num_batched_tokens=budget)
     got = [generate(llm, [p])[0] for p in prompts()]
     stats = llm.engine.stats()
     hits = policy == "chunk_end" and budget == 64
     assert (stats.prefix_hit_tokens >= 2 * 128) == hits and (stats.state_checkpoint_bytes > 0) == hits, stats
-    assert_same_bits(got, reference)
+    assert_same_bits(got, hybrid_reference)
 
 
-def test_checkpoint_memory_is_reported(checkpoint):
-    llm = engine(checkpoint)
+def test_checkpoint_memory_is_reported(hybrid_checkpoint):
+    llm = engine(hybrid_checkpoint)
     generate(llm, prompts()[:1])
     stats = llm.engine.stats()
     pages = llm.engine.plan.state.num_pages
@@ -108,16 +100,16 @@ def test_checkpoint_memory_is_reported(checkpoint):
     assert stats.state_blocks_used == 0  # the request finished: only the pool's cache holds the checkpoint
 
 
-def test_a_token_budget_below_the_split_unit_is_refused_with_the_fix(checkpoint):
+def test_a_token_budget_below_the_split_unit_is_refused_with_the_fix(hybrid_checkpoint):
     with pytest.raises(ValueError, match="raise it to at least"):
-        engine(checkpoint, max_num_batched_tokens=16)
+        engine(hybrid_checkpoint, max_num_batched_tokens=16)
 
 
-def test_a_model_whose_state_shapes_differ_from_the_plan_is_refused(checkpoint, monkeypatch):
+def test_a_model_whose_state_shapes_differ_from_the_plan_is_refused(hybrid_checkpoint, monkeypatch):
     from hybridkv.models.base import CausalLM
     from hybridkv.runner.model_runner import ModelRunner
 
-    llm = engine(checkpoint)
+    llm = engine(hybrid_checkpoint)
     shapes = llm.engine.model.state_shapes()
     layer = min(shapes)
     wrong = {**shapes, layer: (shapes[layer][0], (1, 2, 3))}

@@ -5,20 +5,8 @@ itself, in both layouts; a restarted instance resumes from the disk tier. Each r
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.hybrid_util import GREEDY, HYBRIDS, alone, assert_same_bits, build_hybrid, engine, generate, prompts
-
-
-@pytest.fixture(scope="module", params=HYBRIDS)
-def checkpoint(request, tmp_path_factory):
-    pytest.importorskip("transformers")
-    return build_hybrid(request.param, tmp_path_factory.mktemp(request.param))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint) -> list[torch.Tensor]:
-    return alone(checkpoint, prompts())
+from tests.hybrid_util import GREEDY, alone, assert_same_bits, engine, generate, prompts
 
 
 def loaded(llm) -> tuple[int, float]:
@@ -28,8 +16,8 @@ def loaded(llm) -> tuple[int, float]:
 
 
 @pytest.mark.parametrize("layout", ["per-layer", "packed"])
-def test_a_cpu_tier_hit_resumes_at_a_state_checkpoint_with_the_same_bits(checkpoint, reference, layout):
-    llm = engine(checkpoint, kv_layout=layout, kv_offload_cpu="32MiB")
+def test_a_cpu_tier_hit_resumes_at_a_state_checkpoint_with_the_same_bits(hybrid_checkpoint, hybrid_reference, layout):
+    llm = engine(hybrid_checkpoint, kv_layout=layout, kv_offload_cpu="32MiB")
     generate(llm, prompts())
     got = []
     for p in prompts():
@@ -38,27 +26,27 @@ def test_a_cpu_tier_hit_resumes_at_a_state_checkpoint_with_the_same_bits(checkpo
     tokens, blocks = loaded(llm)
     unit = llm.engine.plan.state.align
     assert tokens == sum((len(p) - 1) // unit * unit for p in prompts()) and blocks > 0  # each at its last checkpoint
-    assert_same_bits(got, reference)
+    assert_same_bits(got, hybrid_reference)
     llm.engine.connector.flush()
     llm.engine.connector.check_integrity()
 
 
-def test_a_restarted_instance_resumes_from_the_disk_tier(checkpoint, reference, tmp_path):
+def test_a_restarted_instance_resumes_from_the_disk_tier(hybrid_checkpoint, hybrid_reference, tmp_path):
     disk = f"{tmp_path}:64MiB"
-    first = engine(checkpoint, kv_offload_cpu="32MiB", kv_offload_disk=disk)
+    first = engine(hybrid_checkpoint, kv_offload_cpu="32MiB", kv_offload_disk=disk)
     generate(first, prompts())
     first.engine.connector.flush()
     first.engine.shutdown()
-    second = engine(checkpoint, kv_offload_cpu="32MiB", kv_offload_disk=disk, kv_layout="packed")
+    second = engine(hybrid_checkpoint, kv_offload_cpu="32MiB", kv_offload_disk=disk, kv_layout="packed")
     got = [generate(second, [p])[0] for p in prompts()]
     m = second.engine.connector.metrics()
     assert second.engine.scheduler.stats.external_hit_tokens >= 128 + 64 and m["kv_offload_disk_hit_blocks_total"] > 0
-    assert_same_bits(got, reference)
+    assert_same_bits(got, hybrid_reference)
 
 
-def test_a_follow_up_turn_loads_only_what_turn_one_computed_as_a_prompt(checkpoint):
+def test_a_follow_up_turn_loads_only_what_turn_one_computed_as_a_prompt(hybrid_checkpoint):
     """Turn 1's answer was computed one token at a time: the tiers must not hold it for turn 2 to resume from."""
-    llm = engine(checkpoint, kv_offload_cpu="32MiB")
+    llm = engine(hybrid_checkpoint, kv_offload_cpu="32MiB")
     first = prompts()[0]
     out = llm.generate([first], GREEDY)[0].outputs[0].token_ids
     follow = first + list(out) + [11, 12, 13] * 10
@@ -66,4 +54,4 @@ def test_a_follow_up_turn_loads_only_what_turn_one_computed_as_a_prompt(checkpoi
     (got,) = generate(llm, [follow])
     unit = llm.engine.plan.state.align
     assert llm.engine.scheduler.stats.external_hit_tokens == (len(first) - 1) // unit * unit
-    assert_same_bits([got], alone(checkpoint, [follow]))
+    assert_same_bits([got], alone(hybrid_checkpoint, [follow]))
