@@ -48,10 +48,8 @@ def baseline() -> float:
     return accuracy()
 
 
-def test_scores_at_its_measured_level(baseline):
-    """Issue 15 asks for 0.98; the shipped model scores 0.973 (249/256, every miss a code's later digit), so 0.98
-    is not met yet. This guards the level it has: a regression in the engine's GDN path fails here."""
-    assert baseline >= 0.97, baseline
+def test_scores_at_least_0_98(baseline):
+    assert baseline >= 0.98, baseline  # the shipped model: 251/256
 
 
 def test_a_state_from_the_wrong_request_fails(baseline, monkeypatch):
@@ -98,7 +96,7 @@ def test_a_state_one_token_stale_fails(baseline, monkeypatch):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="the model shrugs it off: 0.934 with the last prompt token applied twice vs 0.973 normal (256 items)",
+    reason="the model shrugs it off: 0.934 with the last prompt token applied twice vs 0.980 normal (256 items)",
 )
 def test_the_last_prompt_token_applied_twice_fails(baseline, monkeypatch):
     """The variant of a stale resume: a decoder reads the state after the last prompt token and computes that token
