@@ -149,6 +149,29 @@ def answer_stats(model: Gemma4ForCausalLM, ids: torch.Tensor, target: torch.Tens
     return loss.item(), 1 - run[~right].unique().numel() / int(starts.sum())
 
 
+def train_step(model, opt: torch.optim.Optimizer, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on the answer tokens (`target` marks them); returns the loss."""
+    model.train()
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+    mask = target[:, 1:]
+    loss = torch.nn.functional.cross_entropy(logits[mask].float(), ids[:, 1:][mask])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def report(model, val: list, label: str, step: int, loss: torch.Tensor, t0: float) -> float:
+    """Print the validation loss and exact-answer rate after `step`; returns the rate."""
+    model.eval()
+    with torch.no_grad():
+        val_loss, val_acc = (sum(x) / len(val) for x in zip(*(answer_stats(model, *b) for b in val)))
+    print(f"{label} {step:5d}  loss {loss.item():.3f}  val loss {val_loss:.3f}  val exact {val_acc:.3f}  "
+          f"{time.perf_counter() - t0:.0f}s", flush=True)  # fmt: skip
+    return val_acc
+
+
 def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     if step < warmup:
         return lr * (step + 1) / warmup
@@ -202,24 +225,9 @@ def main() -> None:
             print(f"step {step:5d}  full layers {sorted(owners)} see the whole context from here", flush=True)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        ids, target = make_batch(data_rng, tok, args.batch, step / (args.grow * args.steps))
-        model.train()
-        logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-        mask = target[:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits[mask].float(), ids[:, 1:][mask])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, opt, *make_batch(data_rng, tok, args.batch, step / (args.grow * args.steps)))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            model.eval()
-            with torch.no_grad():
-                val_loss, val_acc = (sum(x) / len(val) for x in zip(*(answer_stats(model, *b) for b in val)))
-            print(
-                f"step {step + 1:5d}  loss {loss.item():.3f}  val loss {val_loss:.3f}  val exact {val_acc:.3f}  "
-                f"{time.perf_counter() - t0:.0f}s",
-                flush=True,
-            )
+            report(model, val, "step", step + 1, loss, t0)
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.eval().save_pretrained(args.out)

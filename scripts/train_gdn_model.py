@@ -61,9 +61,10 @@ from train_default_model import (  # scripts/train_default_model.py
     CHAT_TEMPLATE,
     HELDOUT_SEED,
     HELDOUT_SIZE,
-    answer_stats,
     lr_at,
     make_batch,
+    report,
+    train_step,
     train_tokenizer,
 )
 from transformers import DynamicCache, GenerationConfig, PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -249,21 +250,9 @@ def polish(model, tok, args: argparse.Namespace, t0: float) -> None:
     data_rng, val_rng = random.Random(args.seed + 2), random.Random(args.seed + 1)
     val = [make_batch(val_rng, tok, 32) for _ in range(2)]
     for step in range(args.polish_steps):
-        ids, target = make_batch(data_rng, tok, args.batch, 1.0)
-        model.train()
-        logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-        mask = target[:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits[mask].float(), ids[:, 1:][mask])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, opt, *make_batch(data_rng, tok, args.batch, 1.0))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.polish_steps:
-            model.eval()
-            with torch.no_grad():
-                val_loss, val_acc = (sum(x) / len(val) for x in zip(*(answer_stats(model, *b) for b in val)))
-            print(f"polish {step + 1:5d}  loss {loss.item():.3f}  val loss {val_loss:.3f}  val exact {val_acc:.3f}  "
-                  f"{time.perf_counter() - t0:.0f}s", flush=True)  # fmt: skip
+            report(model, val, "polish", step + 1, loss, t0)
 
 
 def main() -> None:
@@ -331,24 +320,9 @@ def main() -> None:
             print(f"step {step:5d}  full layers {sorted(full)} see the whole context from here", flush=True)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        ids, target = make_batch(data_rng, tok, args.batch, step / (args.grow * args.steps))
-        model.train()
-        logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-        mask = target[:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits[mask].float(), ids[:, 1:][mask])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, opt, *make_batch(data_rng, tok, args.batch, step / (args.grow * args.steps)))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            model.eval()
-            with torch.no_grad():
-                val_loss, val_acc = (sum(x) / len(val) for x in zip(*(answer_stats(model, *b) for b in val)))
-            print(
-                f"step {step + 1:5d}  loss {loss.item():.3f}  val loss {val_loss:.3f}  val exact {val_acc:.3f}  "
-                f"{time.perf_counter() - t0:.0f}s",
-                flush=True,
-            )
+            val_acc = report(model, val, "step", step + 1, loss, t0)
             if args.ckpt_dir is not None:  # the latest and the best so far (by val exact)
                 for sub in ["last"] + ["best"] * (val_acc >= best):
                     save(model, copy.deepcopy(tok), args.ckpt_dir / sub)
