@@ -10,6 +10,7 @@ import torch
 
 from hybridkv.engine.llm import LLM
 from hybridkv.request.sampling_params import SamplingParams
+from tests.recording import record_logits
 
 HYBRIDS = ["qwen3_5", "nemotron_h"]
 NEW_TOKENS = 12
@@ -42,16 +43,8 @@ def engine(model: str, **kw) -> LLM:
 
 def generate(llm: LLM, batch: list[list[int]]) -> list[torch.Tensor]:
     """Greedy outputs of `batch` submitted together; per request, its sampled logits rows stacked in step order."""
-    rows: dict[str, list[torch.Tensor]] = {}
     run = llm.engine.runner.run
-
-    def recording_run(output):
-        ids, logits = run(output)
-        for rid, row in zip(ids, logits):
-            rows.setdefault(rid, []).append(row.clone())
-        return ids, logits
-
-    llm.engine.runner.run = recording_run
+    rows = record_logits(llm)
     try:
         outs = llm.generate(batch, GREEDY)
     finally:

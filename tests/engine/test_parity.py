@@ -13,6 +13,7 @@ from hybridkv.engine.llm import LLM
 from hybridkv.kv.model_kv import load_hf_config
 from hybridkv.kv.planner import CacheConfig, plan_from_hf_config
 from hybridkv.request.sampling_params import SamplingParams
+from tests.recording import record_logits
 from tests.tiny_models import build
 
 NEW_TOKENS = 64
@@ -28,21 +29,6 @@ def prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     lengths = [3, 9, 16, 17, 40, 75][:n]  # around and well beyond the window of 16
     return [[rng.randrange(4, 512) for _ in range(k)] for k in lengths]
-
-
-def record_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
-    """Wrap the runner so every sampled row of logits is kept, per request, in step order."""
-    recorded: dict[str, list[torch.Tensor]] = {}
-    run = llm.engine.runner.run
-
-    def recording_run(output):
-        ids, logits = run(output)
-        for rid, row in zip(ids, logits):
-            recorded.setdefault(rid, []).append(row.clone())
-        return ids, logits
-
-    llm.engine.runner.run = recording_run
-    return recorded
 
 
 def greedy(llm: LLM, prompt_ids):
