@@ -8,7 +8,8 @@ and which earlier tokens it may see (causal, plus the layer's sliding window).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -46,8 +47,24 @@ class RecurrentStates(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class OutputRows:
+    """The rows of a step whose hidden states are used (the last token of each chunk that samples), and an
+    AttentionFn over exactly those rows, one query each at its own position. Layers that write no KV (KV-sharing
+    consumers) need to run for these rows only: what they compute for any other row feeds nothing."""
+
+    rows: torch.Tensor  # [M] indices into the step's N tokens
+    attn: AttentionFn  # queries [M]: row i of a call is the token at rows[i]
+
+
 class CausalLM(nn.Module):
     """A decoder-only model over a flat token batch."""
+
+    # Its `linear.Linear` and `FusedLinear` projections may run through packed oneDNN weights (`linear.py`):
+    # models that promise row-count-independent bits (recurrent hybrids) leave this False.
+    packable: ClassVar[bool] = False
+    # forward takes `outputs: OutputRows` and returns hidden states for those rows only ([M, hidden]).
+    narrows_outputs: ClassVar[bool] = False
 
     def forward(
         self,

@@ -7,12 +7,28 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def release(linear: nn.Linear) -> None:
+    """Replace a linear's dense weight by a meta tensor of the same shape (its bytes live in a packed copy)."""
+    w = linear.weight
+    linear.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+
+
 class FusedLinear:
     """One matmul for `linears` (all reading the same input). Afterwards each linear's weight (and bias) is a
     view into the fused tensor, so checkpoints and state dicts keep their per-projection shapes."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
+        self.linears = linears
         self.sizes = [lin.out_features for lin in linears]
+        self.packed: torch.Tensor | None = None  # oneDNN's layout of `weight`, set by `pack`
         with torch.no_grad():
             self.weight = torch.cat([lin.weight for lin in linears])
             has_bias = [lin.bias is not None for lin in linears]
@@ -31,4 +47,13 @@ class FusedLinear:
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         """All outputs side by side: [..., sum of out_features]."""
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def pack(self) -> None:
+        """Run through oneDNN's blocked copy of the weight; the dense weight and its member views are released."""
+        self.packed = pack_weight(self.weight)
+        self.weight = torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta")
+        for lin in self.linears:
+            release(lin)

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kv.model_kv import MODEL_READERS, LayerAttn
-from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
+from hybridkv.models.base import AttentionFn, CausalLM, OutputRows, RecurrentStates
 from hybridkv.models.fuse import FusedLinear
+from hybridkv.models.linear import Linear
 from hybridkv.models.llama import ACTIVATIONS
 from hybridkv.models.norm import norm_constants, rms_norm, scaled_rms_norm
 from hybridkv.models.rope import RopeTables, Rotary, apply_rope
@@ -74,15 +75,15 @@ class Attention(nn.Module):
         hidden, heads, hd, eps = cfg["hidden_size"], cfg["num_attention_heads"], shape.head_size, cfg["rms_norm_eps"]
         bias = cfg["attention_bias"]
         self.head_dim, self.eps = hd, eps
-        self.q_proj = nn.Linear(hidden, heads * hd, bias=bias)
+        self.q_proj = Linear(hidden, heads * hd, bias=bias)
         self.q_norm = RMSNorm(hd, eps)
-        self.o_proj = nn.Linear(heads * hd, hidden, bias=bias)
+        self.o_proj = Linear(heads * hd, hidden, bias=bias)
         self.k_proj = self.v_proj = self.k_norm = self.v_norm = None
         self.k_eq_v = False
         if not consumer:
-            self.k_proj = nn.Linear(hidden, shape.num_kv_heads * hd, bias=bias)
+            self.k_proj = Linear(hidden, shape.num_kv_heads * hd, bias=bias)
             self.k_eq_v = cfg["attention_k_eq_v"] and shape.kind == "full_attention"
-            self.v_proj = None if self.k_eq_v else nn.Linear(hidden, shape.num_kv_heads * hd, bias=bias)
+            self.v_proj = None if self.k_eq_v else Linear(hidden, shape.num_kv_heads * hd, bias=bias)
             self.k_norm = RMSNorm(hd, eps)
             self.v_norm = RMSNorm(hd, eps, with_scale=False)
         self.qkv: FusedLinear | None = None
@@ -132,9 +133,9 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
         self.act = ACTIVATIONS[act]
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
         self.gate_up: FusedLinear | None = None
 
     def fuse(self) -> None:
@@ -159,8 +160,8 @@ class DecoderLayer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.unit_scalar = False  # set by `fuse` once the weights are loaded: skip multiplying by 1
         self.act = ACTIVATIONS[cfg["hidden_activation"]]
-        self.per_layer_input_gate = nn.Linear(hidden, ple, bias=False) if ple else None
-        self.per_layer_projection = nn.Linear(ple, hidden, bias=False) if ple else None
+        self.per_layer_input_gate = Linear(hidden, ple, bias=False) if ple else None
+        self.per_layer_projection = Linear(ple, hidden, bias=False) if ple else None
         self.post_per_layer_input_norm = RMSNorm(hidden, eps) if ple else None
 
     def forward(
@@ -177,14 +178,17 @@ class DecoderLayer(nn.Module):
         x = x + self.post_attention_layernorm.forward(h)
         x = x + self.post_feedforward_layernorm.forward(self.mlp.forward(self.pre_feedforward_layernorm.forward(x)))
         if per_layer_input is not None:
-            gated = self.act(F.linear(x, self.per_layer_input_gate.weight)) * per_layer_input
-            x = x + self.post_per_layer_input_norm.forward(F.linear(gated, self.per_layer_projection.weight))
+            gated = self.act(self.per_layer_input_gate(x)) * per_layer_input
+            x = x + self.post_per_layer_input_norm.forward(self.per_layer_projection(gated))
         return x if self.unit_scalar else x * self.layer_scalar
 
 
 class Gemma4ForCausalLM(CausalLM):
     """Gemma 4's text model. `layer_windows[i]`: layer i's sliding window (None: full attention);
     `kv_sharing`: consumer layer -> the layer whose KV it reads."""
+
+    packable = True
+    narrows_outputs = True
 
     def __init__(self, cfg: Mapping[str, Any]) -> None:
         super().__init__()
@@ -193,6 +197,11 @@ class Gemma4ForCausalLM(CausalLM):
         cfg = {**TEXT_DEFAULTS, **(cfg["text_config"] if multimodal else cfg)}
         _check_supported(cfg)
         shapes, self.kv_sharing = MODEL_READERS["gemma4_text"](cfg)
+        # Layers [consumers_from, n) all read others' KV (Gemma 4 shares in its last layers): they may run
+        # for the output rows alone.
+        n = cfg["num_hidden_layers"]
+        self.consumers_from = next(i for i in range(n + 1) if all(j in self.kv_sharing for j in range(i, n)))
+        self.narrows_outputs = self.consumers_from < n
         self.layer_windows: list[int | None] = [s.sliding_window for s in shapes]
         # model_kv forces the last layer to full attention, as transformers does.
         self.layer_types = ["full_attention" if s.kind == "full_attention" else "sliding_attention" for s in shapes]
@@ -204,13 +213,13 @@ class Gemma4ForCausalLM(CausalLM):
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
         self.layers = nn.ModuleList(DecoderLayer(cfg, s, i in self.kv_sharing) for i, s in enumerate(shapes))
         self.norm = RMSNorm(hidden, cfg["rms_norm_eps"])
-        self.lm_head = None if tied else nn.Linear(hidden, cfg["vocab_size"], bias=False)
+        self.lm_head = None if tied else Linear(hidden, cfg["vocab_size"], bias=False)
         self.softcap: float | None = cfg["final_logit_softcapping"]
 
         self.ple_dim: int = cfg["hidden_size_per_layer_input"]
         if self.ple_dim:
             self.embed_tokens_per_layer = nn.Embedding(cfg["vocab_size_per_layer_input"], n * self.ple_dim)
-            self.per_layer_model_projection = nn.Linear(hidden, n * self.ple_dim, bias=False)
+            self.per_layer_model_projection = Linear(hidden, n * self.ple_dim, bias=False)
             self.per_layer_projection_norm = RMSNorm(self.ple_dim, cfg["rms_norm_eps"])
 
         self.rotary: dict[str, Rotary] = {}
@@ -226,14 +235,25 @@ class Gemma4ForCausalLM(CausalLM):
         positions: torch.Tensor,
         attn: AttentionFn,
         states: RecurrentStates | None = None,  # attention-only: always None
+        outputs: OutputRows | None = None,
     ) -> torch.Tensor:
+        """Hidden states [N, hidden], or [M, hidden] for `outputs.rows`: the trailing KV-sharing layers then run
+        for those rows alone (in a 4k-token prefill chunk that samples, 1 row of 4096)."""
         x = self.embed_tokens(input_ids) * _in_dtype(self.embed_scale, self.embed_tokens.weight.dtype)
         per_layer = self._per_layer_inputs(input_ids, x) if self.ple_dim else None
         rope = {t: r(positions, x.dtype) for t, r in self.rotary.items()}
-        per_layer_inputs = [None] * len(self.layers) if per_layer is None else per_layer.unbind(1)
+        per_layer_inputs = [None] * len(self.layers) if per_layer is None else list(per_layer.unbind(1))
         for i, layer in enumerate(self.layers):
+            if i == self.consumers_from and outputs is not None:
+                rows, attn = outputs.rows, outputs.attn
+                if rows.numel() == 0:  # no chunk samples: the consumers' outputs feed nothing at all
+                    return x.new_empty(0, x.shape[1])
+                x, positions = x[rows], positions[rows]
+                rope = {t: r(positions, x.dtype) for t, r in self.rotary.items()}
+                per_layer_inputs = [p if p is None else p[rows] for p in per_layer_inputs]
             x = layer.forward(i, x, per_layer_inputs[i], rope[self.layer_types[i]], attn)
-        return self.norm(x)
+        x = self.norm(x)
+        return x[outputs.rows] if outputs is not None and self.consumers_from == len(self.layers) else x
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[N, num_layers, ple_dim]: the token's own per-layer embedding plus a projection of its embedding."""
@@ -254,7 +274,7 @@ class Gemma4ForCausalLM(CausalLM):
                 norm.prepare()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        logits = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
         if self.softcap is not None:
             logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits

@@ -15,6 +15,7 @@ from torch import nn
 from hybridkv.kv.model_kv import MODEL_READERS
 from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.fuse import FusedLinear
+from hybridkv.models.linear import Linear
 from hybridkv.models.norm import norm_constants, scaled_rms_norm
 from hybridkv.models.rope import Rotary, apply_rope, rope_parameters
 
@@ -45,10 +46,10 @@ class Attention(nn.Module):
         hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
+        self.q_proj = Linear(hidden, heads * head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = Linear(heads * head_dim, hidden, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, cfg["rms_norm_eps"]) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg["rms_norm_eps"]) if qk_norm else None
         self.qkv: FusedLinear | None = None
@@ -71,9 +72,9 @@ class MLP(nn.Module):
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r}; supported: {', '.join(ACTIVATIONS)}")
         self.act = ACTIVATIONS[act]
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.gate_up: FusedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,6 +102,8 @@ class LlamaForCausalLM(CausalLM):
     """llama, mistral, qwen2, qwen3. `layer_windows[i]` is layer i's sliding window (None: full attention),
     as `hybridkv.kv.model_kv` plans it; dense models share no KV."""
 
+    packable = True
+
     def __init__(self, cfg: Mapping[str, Any]) -> None:
         super().__init__()
         model_type = cfg.get("model_type")
@@ -121,7 +124,7 @@ class LlamaForCausalLM(CausalLM):
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         tied = cfg.get("tie_word_embeddings", False)
-        self.lm_head = None if tied else nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.lm_head = None if tied else Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         self.rotary = Rotary(rope_parameters(cfg), head_dim)
 
     def forward(
@@ -147,7 +150,7 @@ class LlamaForCausalLM(CausalLM):
                 norm.prepare()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        return F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
 
     def checkpoint_name(self, name: str) -> str | None:
         """Our state-dict name for a checkpoint tensor, or None to skip it."""

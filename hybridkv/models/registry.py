@@ -11,6 +11,7 @@ import torch
 
 from hybridkv.kv.model_kv import load_hf_config
 from hybridkv.models.base import CausalLM, bind_attributes
+from hybridkv.models.linear import pack_linears, packing_available
 from hybridkv.models.loader import load_weights, resolve_dtype
 
 MODELS: dict[str, str] = {  # model_type -> "module:class", imported when first asked for
@@ -18,6 +19,7 @@ MODELS: dict[str, str] = {  # model_type -> "module:class", imported when first 
     "mistral": "hybridkv.models.llama:LlamaForCausalLM",
     "qwen2": "hybridkv.models.llama:LlamaForCausalLM",
     "qwen3": "hybridkv.models.llama:LlamaForCausalLM",
+    "gemma3_text": "hybridkv.models.gemma3:Gemma3ForCausalLM",
     "gemma4_text": "hybridkv.models.gemma4:Gemma4ForCausalLM",
     "gemma4": "hybridkv.models.gemma4:Gemma4ForCausalLM",  # the text model of the multimodal checkpoint
     "qwen3_5_text": "hybridkv.models.qwen3_5:Qwen3_5ForCausalLM",
@@ -54,5 +56,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16", device: 
     load_weights(model, folder)
     model = model.eval().requires_grad_(False)
     model.fuse_projections()
+    if model.packable and packing_available(torch.device(device), resolve_dtype(dtype)):
+        pack_linears(model)
     bind_attributes(model)
     return model

@@ -4,17 +4,23 @@ Per KV cache group, `GroupMetadata` holds each new token's (block, slot) and, pe
 `step_index`), the blocks the run gathers and its masks, so all layers of a group share one set of index tensors.
 A sliding-window group gathers only the blocks that the step's queries can see. Key j (absolute position) is
 visible to the query at position p when j <= p, j < seq_len and, for a sliding window W, p - j < W.
+
+Decode runs on CPU read their keys in place (`kernels/paged_decode.cpp`) when the native kernel is built: no
+gather and no mask. Everything else (and every run where the kernel is off) gathers and calls SDPA.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from hybridkv.runner.step_index import DECODE, PADDED, TILED, IndexPack, Run, StepIndex
+
+DecodeKernel = Callable[..., torch.Tensor]
 
 MIN_SLIDING_TILE = 64  # smaller tiles would cost more in kernel calls than they save in masked-out keys
 
@@ -34,11 +40,13 @@ class Tile:
 @dataclass
 class RunKV:
     """One run's view of a group: blocks to gather ([B * num_blocks], 0 = the null block, always masked) and its
-    tiles (one covering everything for decode and padded runs)."""
+    tiles (one covering everything for decode and padded runs). A decode run read in place has no tiles but the
+    pack slots of each request's `bases` (position of its first listed block's slot 0) and query `positions`."""
 
     tables: int  # slot in the step's pack
     num_blocks: int
     tiles: list[Tile]
+    in_place: tuple[int, int] | None = None  # slots: bases, positions
 
 
 @dataclass
@@ -47,6 +55,7 @@ class GroupMetadata:
     _block_ids: int  # slot: [N] block of each new token
     _offsets: int  # slot: [N] slot inside that block
     runs: list[RunKV]  # one per `StepIndex.runs`
+    window: int | None = None
 
     @property
     def block_ids(self) -> torch.Tensor:
@@ -64,8 +73,10 @@ class GroupMetadata:
         window: int | None,
         device: torch.device,
         masks: dict[tuple, list[Tile]] | None = None,
+        in_place_decode: bool = False,
     ) -> GroupMetadata:
-        """`masks`: tiles built earlier in this step, shared by groups with the same window and spans."""
+        """`masks`: tiles built earlier in this step, shared by groups with the same window and spans.
+        `in_place_decode`: decode runs will be read in place by the native kernel (they need no masks)."""
         # Sliding groups read from block `first[b]` on: the block holding the first key any query can see.
         first = [0] * len(tables)
         if window is not None:
@@ -75,6 +86,11 @@ class GroupMetadata:
             reqs = range(run.r0, run.r1)
             span = max(len(tables[r]) - first[r] for r in reqs)
             gathered = [v for r in reqs for v in tables[r][first[r] :] + [0] * (span - len(tables[r]) + first[r])]
+            if in_place_decode and run.kind == DECODE:
+                bases = step.pack.add([f * block_size for f in first[run.r0 : run.r1]])
+                in_place = (bases, step.pack.add(step.starts[run.r0 : run.r1]))
+                runs.append(RunKV(step.pack.add(gathered), span, [], in_place))
+                continue
             key = (i, block_size, window, span, *first[run.r0 : run.r1])
             tiles = None if masks is None else masks.get(key)
             if tiles is None:
@@ -85,7 +101,7 @@ class GroupMetadata:
             runs.append(RunKV(step.pack.add(gathered), span, tiles))
         block_ids = [tables[r][p // block_size] for r, p in zip(step.rows, step.positions)]
         offsets = [p % block_size for p in step.positions]
-        return GroupMetadata(step.pack, step.pack.add(block_ids), step.pack.add(offsets), runs)
+        return GroupMetadata(step.pack, step.pack.add(block_ids), step.pack.add(offsets), runs, window)
 
 
 def _tiles(step: StepIndex, run: Run, bases: list[int], width: int, window: int | None) -> list[Tile]:
@@ -167,30 +183,43 @@ class PagedAttention:
         metadata: list[GroupMetadata | None],
         step: StepIndex,
         workspace: Workspace | None = None,
+        decode_kernel: DecodeKernel | None = None,
     ) -> None:
         self.workspace = workspace or Workspace()
+        self.decode_kernel = decode_kernel  # set iff the metadata was built with `in_place_decode`
         self.views = views  # layer -> [num_blocks, block_size, 2, kv_heads, head_size]; consumers alias targets
         self.layer_group = layer_group
         self.metadata = metadata
         self.step = step
-        # Gathered K/V per cache and run, valid for the rest of the step once its owner wrote: consumers reuse them.
-        self._gathered: dict[int, list[KV]] = {}
+        # Gathered K/V per cache and run index, valid for the rest of the step once its owner wrote: consumers
+        # reuse them.
+        self._gathered: dict[int, dict[int, KV]] = {}
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor | None, scale: float) -> torch.Tensor:
+        if not self.step.runs:  # a step of no requests (no chunk samples): nothing reads the result
+            return torch.empty_like(q)
         cache = self.views[layer]
         meta = self.metadata[self.layer_group[layer]]
         if kv is not None:
             cache[meta.block_ids, meta.offsets] = kv if kv.dtype == cache.dtype else kv.to(cache.dtype)
             self._gathered.pop(id(cache), None)
-        gathered = self._gathered.get(id(cache))
-        if gathered is None:
-            gathered = [self._gather(cache, i, run, r) for i, (run, r) in enumerate(zip(self.step.runs, meta.runs))]
-            self._gathered[id(cache)] = gathered
-        outs = [
-            ATTEND[run.kind](self, run, r, q[run.t0 : run.t1], *self._as(q.dtype, kv_run), scale)
-            for run, r, kv_run in zip(self.step.runs, meta.runs, gathered)
-        ]
+        gathered = self._gathered.setdefault(id(cache), {})
+        outs = []
+        for i, (run, r) in enumerate(zip(self.step.runs, meta.runs)):
+            if r.in_place is not None:
+                outs.append(self._decode_in_place(cache, run, r, q[run.t0 : run.t1], scale, meta.window))
+                continue
+            if i not in gathered:
+                gathered[i] = self._gather(cache, i, run, r)
+            outs.append(ATTEND[run.kind](self, run, r, q[run.t0 : run.t1], *self._as(q.dtype, gathered[i]), scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _decode_in_place(
+        self, cache: torch.Tensor, run: Run, r: RunKV, q: torch.Tensor, scale: float, window: int | None
+    ) -> torch.Tensor:
+        tables = self.step.pack[r.tables].view(run.num_reqs, r.num_blocks)
+        bases, positions = (self.step.pack[s] for s in r.in_place)
+        return self.decode_kernel(q.contiguous(), cache, tables, bases, positions, window or 0, scale, None)
 
     @staticmethod
     def _as(dtype: torch.dtype, kv: KV) -> KV:

@@ -8,8 +8,9 @@ import torch
 
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
-from hybridkv.models.base import CausalLM
+from hybridkv.models.base import CausalLM, OutputRows
 from hybridkv.request.batch import SchedulerOutput
+from hybridkv.runner import kernels
 from hybridkv.runner.attention import GroupMetadata, PagedAttention, Tile, Workspace
 from hybridkv.runner.states import PagedStates, check_state_shapes
 from hybridkv.runner.step_index import QUERY_TILE, IndexPack, StepIndex, run_kind
@@ -22,12 +23,37 @@ class ModelRunner:
         self.device = device
         self.memory = KVCacheMemory(plan, device)
         self.workspace = Workspace()
+        self.out_workspace = Workspace()  # the output rows' attention (`OutputRows`) gathers into its own buffers
         # Plans with recurrent state are exact: per-request tiles of the state's split unit (`step_index`).
         self.exact = plan.state is not None
         self.query_tile = plan.state.align if plan.state is not None else QUERY_TILE
         self.layer_group = {layer: plan.group_of(layer).group_id for layer in plan.attention_layers}
         if plan.state is not None:
             check_state_shapes(model.state_shapes(), plan.state)
+        # Decodes read K/V in place when the native kernel is built and the cache holds the model's dtype.
+        dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} | {
+            v.dtype for v in self.memory.views.values()
+        }
+        self.decode_kernel = kernels.paged_decode() if device.type == "cpu" and len(dtypes) == 1 else None
+
+    def _metadata(self, step: StepIndex, tables: list[list[list[int]]]) -> list[GroupMetadata | None]:
+        """Per group id; None for a state page group, which no attention layer reads. `tables[r][g]`: request
+        r's block table in group g."""
+        masks: dict[tuple, list[Tile]] = {}  # shared by this step's groups with the same window and spans
+        return [
+            GroupMetadata.build(
+                step,
+                [t[g.group_id] for t in tables],
+                g.block_size,
+                g.sliding_window,
+                self.device,
+                masks,
+                in_place_decode=self.decode_kernel is not None,
+            )
+            if g.layers
+            else None
+            for g in self.plan.groups
+        ]
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
@@ -41,23 +67,30 @@ class ModelRunner:
         ends = list(itertools.accumulate(step.lengths))
         sampled = [i for i, c in enumerate(chunks) if c.sample]
         rows_slot = pack.add([ends[i] - 1 for i in sampled])
-        masks: dict[tuple, list[Tile]] = {}
-        metadata = [  # by group id; None for a state page group, which no attention layer reads
-            GroupMetadata.build(
-                step, [c.block_tables[g.group_id] for c in chunks], g.block_size, g.sliding_window, self.device, masks
-            )
-            if g.layers
-            else None
-            for g in self.plan.groups
-        ]
+        metadata = self._metadata(step, [c.block_tables for c in chunks])
+        narrow = self.model.narrows_outputs
+        # A step of decodes alone is its own output step; otherwise the output rows alone, one query each
+        # at its position (`OutputRows`).
+        same = len(sampled) == len(chunks) and all(n == 1 for n in lengths)
+        if narrow and not same:
+            out_step = StepIndex([step.positions[ends[i] - 1] for i in sampled], [1] * len(sampled), pack)
+            out_metadata = self._metadata(out_step, [chunks[i].block_tables for i in sampled])
         pack.upload(self.device)
-        attn = PagedAttention(self.memory.views, self.layer_group, metadata, step, self.workspace)
+        attn = PagedAttention(self.memory.views, self.layer_group, metadata, step, self.workspace, self.decode_kernel)
         states = None
         if self.plan.state is not None:
             spans = list(itertools.pairwise([0, *ends]))
             states = PagedStates(self.plan.state, self.memory, chunks, self.plan.block_size, spans)
-        hidden = self.model(pack[ids_slot], pack[positions_slot], attn, states)
+        ids, positions, rows = pack[ids_slot], pack[positions_slot], pack[rows_slot]
+        if narrow:
+            out_attn = attn
+            if not same:
+                views, kernel = self.memory.views, self.decode_kernel
+                out_attn = PagedAttention(views, self.layer_group, out_metadata, out_step, self.out_workspace, kernel)
+            hidden = self.model(ids, positions, attn, states, OutputRows(rows, out_attn))
+        else:
+            hidden = self.model(ids, positions, attn, states)[rows]
         if states is not None:
             states.write_back()
-        logits = self.model.compute_logits(hidden[pack[rows_slot]])
+        logits = self.model.compute_logits(hidden)
         return [chunks[i].request_id for i in sampled], logits

@@ -20,6 +20,7 @@ HYBRIDKV = KV.parent
 LAYERS = [
     "version",
     "units",
+    "native",
     "kv",
     "request",
     "models",

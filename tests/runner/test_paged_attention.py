@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from hybridkv.runner import kernels
 from hybridkv.runner.attention import GroupMetadata, PagedAttention, Workspace
 from hybridkv.runner.step_index import IndexPack, StepIndex
 
@@ -23,8 +24,11 @@ def dense(q, keys, values, positions, window, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch", "native-decode"])
 @pytest.mark.parametrize("seed", range(12))
-def test_matches_dense_attention(seed):
+def test_matches_dense_attention(seed, in_place):
+    kernel = kernels.paged_decode() if in_place else None
+    assert kernel is not None or not in_place, "the native decode kernel did not build (see the log)"
     rng = random.Random(seed)
     hk, d = rng.choice([1, 2]), 8
     hq = hk * rng.choice([1, 3])
@@ -49,11 +53,11 @@ def test_matches_dense_attention(seed):
         step = StepIndex(starts, lengths, IndexPack(), tile=rng.choice([3, 16, 256]))
         masks: dict = {}
         meta = [
-            GroupMetadata.build(step, [r["tables"][g] for r in order], bs, w, CPU, masks)
+            GroupMetadata.build(step, [r["tables"][g] for r in order], bs, w, CPU, masks, in_place_decode=in_place)
             for g, (bs, w) in enumerate(groups)
         ]
         step.pack.upload(CPU)
-        attn = PagedAttention(views, layer_group, meta, step, workspace)
+        attn = PagedAttention(views, layer_group, meta, step, workspace, kernel)
         for layer, g in layer_group.items():
             q = torch.randn(sum(lengths), hq, d)
             out = attn(layer, q, None if layer == 2 else torch.randn(sum(lengths), 2, hk, d), 0.7)

@@ -1,0 +1,63 @@
+"""Linear layers whose weights can be reordered once into oneDNN's blocked layout, so that every matmul after that
+skips the per-call weight reorder (measured on this CPU, one thread, the 28 layers of Qwen3-0.6B's projections:
+bf16 1.6x at 1 row, 1.7x at 16, 1.1x at 128; fp32 2.3x at 16 rows, 1.6x at 128).
+
+`pack_linears(model)` packs every `Linear` and every `FusedLinear` of a model whose class opts in
+(`CausalLM.packable`), on CPU, in bf16 or fp32. Packing drops the dense weight: the parameter keeps its shape
+on the meta device, so reading it afterwards fails loudly instead of silently using stale data. Models whose
+modes promise the same bits at any row count (recurrent hybrids, `exact.linear`) do not opt in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.models.fuse import FusedLinear, pack_weight, packed_linear, release
+from hybridkv.native import native_enabled
+
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        native_enabled()
+        and device.type == "cpu"
+        and dtype in PACKED_DTYPES
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` that runs through a packed weight once `pack` was called."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
+        release(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Pack every FusedLinear (held as a plain attribute of a module) and every other `Linear`; the number packed.
+    A fused projection's members are views of its weight, so they are released, not packed again."""
+    members: set[int] = set()
+    count = 0
+    for module in model.modules():
+        for value in list(vars(module).values()):
+            if isinstance(value, FusedLinear) and value.packed is None:
+                members.update(id(lin) for lin in value.linears)
+                value.pack()
+                count += 1
+    for module in model.modules():
+        if isinstance(module, Linear) and id(module) not in members and module.packed is None:
+            module.pack()
+            count += 1
+    return count
