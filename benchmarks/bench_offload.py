@@ -4,8 +4,10 @@ head 32 / global 64, window 16, float32), in both KV layouts:
 - time to first token (`generate(prompt, max_tokens=1)`, device prefix cache reset before each) on a miss without
   offloading, on a miss with offloading on (stores included), on a CPU-tier hit, and on a disk-tier hit after a
   restart, both with the entries' pages dropped from the OS page cache (cold) and with them cached (warm);
-- load throughput (CPU tier -> KV blocks, the loader's copy time) against one plain torch copy of the same bytes;
-- copies per block for stores and loads: packed moves every layer of a block in one copy.
+- load throughput (CPU tier -> KV blocks, the loader's copy time) against one plain torch copy of the same bytes,
+  out of the caches (as the loader's tier slots and KV blocks are) and cache-warm;
+- copies per block for stores and loads: packed moves every layer of a block in one copy; a load merges runs of
+  blocks into one strided copy per span.
 
     python benchmarks/bench_offload.py [--threads 1] [--reps 3] [--lengths 1024 4096] [--disk-dir DIR]
 """
@@ -66,12 +68,19 @@ def delta(after: dict[str, float], before: dict[str, float], name: str) -> float
     return after[f"kv_offload_{name}"] - before.get(f"kv_offload_{name}", 0.0)
 
 
-def torch_copy_gbps(nbytes: int, blocks: int) -> tuple[float, float]:
-    """The same bytes moved by one dst.copy_(src), and by `blocks` equal copies in a Python loop (min of 5)."""
+def torch_copy_gbps(nbytes: int, blocks: int) -> tuple[float, float, float]:
+    """The same bytes moved by one dst.copy_(src) with src and dst out of the caches (as the loader's are: a slot
+    of a large CPU tier, a block of a large KV buffer), by one dst.copy_(src) cache-warm, and by `blocks` equal
+    copies in a Python loop, cache-warm (min of 5 each)."""
     src, dst = torch.randint(0, 255, (nbytes,), dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    flush = torch.zeros(max(128 << 20, 4 * nbytes), dtype=torch.uint8)  # well over any L3 here
     step = nbytes // blocks
-    one, many = [], []
+    cold, one, many = [], [], []
     for _ in range(5):
+        flush.add_(1)  # evicts src and dst
+        start = time.perf_counter()
+        dst.copy_(src)
+        cold.append(time.perf_counter() - start)
         start = time.perf_counter()
         dst.copy_(src)
         one.append(time.perf_counter() - start)
@@ -79,7 +88,7 @@ def torch_copy_gbps(nbytes: int, blocks: int) -> tuple[float, float]:
         for b in range(blocks):
             dst.narrow(0, b * step, step).copy_(src.narrow(0, b * step, step))
         many.append(time.perf_counter() - start)
-    return nbytes / min(one) / 1e9, nbytes / min(many) / 1e9
+    return nbytes / min(cold) / 1e9, nbytes / min(one) / 1e9, nbytes / min(many) / 1e9
 
 
 def bench_layout(folder: Path, layout: str, lengths: list[int], reps: int, disk: Path) -> list[dict]:
@@ -111,7 +120,8 @@ def bench_layout(folder: Path, layout: str, lengths: list[int], reps: int, disk:
         nbytes = delta(after, mid, "cpu_to_device_bytes_total")
         rows[n]["load_bytes"] = nbytes / reps
         rows[n]["load_gbps"] = nbytes / delta(after, mid, "cpu_to_device_seconds_total") / 1e9
-        rows[n]["copy_gbps"], rows[n]["block_copy_gbps"] = torch_copy_gbps(int(nbytes / reps), int(blocks / reps))
+        gbps = torch_copy_gbps(int(nbytes / reps), int(blocks / reps))
+        rows[n]["cold_copy_gbps"], rows[n]["copy_gbps"], rows[n]["block_copy_gbps"] = gbps
     connector.shutdown()
     del llm, connector
 
@@ -141,19 +151,21 @@ def print_tables(rows: list[dict]) -> None:
         cells += [ms(r["disk_warm"]), f"{r['miss'] / r['cpu']:.1f}", f"{r['miss'] / r['disk_cold']:.1f}"]
         print("".join(f"{c:>12}" for c in cells))
     print(
-        "\nThroughput, GB/s, of the bytes one request loads: CPU tier -> KV blocks vs torch moving the same bytes in"
-        "\none dst.copy_(src) and in block-sized copies (cache-warm, min of 5); disk reads include the checksum."
-        "\nStore: device -> CPU per request (engine thread); write: CPU -> disk per request (writer thread)"
+        "\nThroughput, GB/s, of the bytes one request loads: CPU tier -> KV blocks (the loader's copy time) vs torch"
+        "\nmoving the same bytes in one dst.copy_(src) out of the caches (cold) and cache-warm, and in block-sized"
+        "\ncopies (warm); min of 5; disk reads include the checksum. Store: device -> CPU per request (engine thread);"
+        "\nwrite: CPU -> disk per request (writer thread)"
     )
-    head = ["layout", "tokens", "MiB/load", "CPU->KV", "torch 1 copy", "torch/block", "disk cold", "disk warm"]
-    print("".join(f"{h:>13}" for h in [*head, "store ms", "write ms"]))
+    head = ["layout", "tokens", "MiB/load", "CPU->KV", "1 copy cold", "vs cold", "1 copy warm", "torch/block"]
+    print("".join(f"{h:>13}" for h in [*head, "disk cold", "disk warm", "store ms", "write ms"]))
     for r in rows:
         cells = [r["layout"], r["tokens"], f"{r['load_bytes'] / 2**20:.2f}", f"{r['load_gbps']:.2f}"]
+        cells += [f"{r['cold_copy_gbps']:.2f}", f"{r['load_gbps'] / r['cold_copy_gbps']:.0%}"]
         cells += [f"{r['copy_gbps']:.2f}", f"{r['block_copy_gbps']:.2f}"]
         cells += [f"{r['disk_cold_gbps']:.2f}", f"{r['disk_warm_gbps']:.2f}"]
         cells += [f"{r['store_ms']:.1f}", f"{r['write_ms']:.1f}"]
         print("".join(f"{c:>13}" for c in cells))
-    print("\nCopies per block (one per contiguous span)")
+    print("\nCopies per block (stores: one per contiguous span; loads: one per span of each run of blocks)")
     print("".join(f"{h:>12}" for h in ("layout", "tokens", "store", "load")))
     for r in rows:
         cells = [r["layout"], r["tokens"], f"{r['store_copies_per_block']:.2f}", f"{r['load_copies_per_block']:.2f}"]

@@ -113,11 +113,11 @@ def test_cpu_hit_equals_scratch_with_one_copy_per_packed_block(model, layout):
     assert m["kv_offload_cpu_to_device_blocks_total"] == m["kv_offload_cpu_hit_blocks_total"] == sum(per_group)
     plan, copier = llm.engine.plan, llm.engine.connector.copier
     copies = [copier.copies_per_block(g.group_id) for g in plan.groups]  # one per span of the block
-    assert m["kv_offload_cpu_to_device_copies_total"] == sum(n * c for n, c in zip(per_group, copies))
+    # A store copies each span of each block; a load merges runs of blocks into one strided copy per span.
+    assert 0 < m["kv_offload_cpu_to_device_copies_total"] <= sum(n * c for n, c in zip(per_group, copies))
     if layout == "packed":
         assert copies == [1] * len(plan.groups)
-        for direction in ("device_to_cpu", "cpu_to_device"):
-            assert m[f"kv_offload_{direction}_copies_total"] == m[f"kv_offload_{direction}_blocks_total"]
+        assert m["kv_offload_device_to_cpu_copies_total"] == m["kv_offload_device_to_cpu_blocks_total"]
     elif plan.layout == "per_layer" and len(plan.buffer_sizes) > 1:  # the embedded model: two regions per block
         assert min(copies) > 1
     # Consumers of KV sharing own no pages: a block's payload is exactly its group's owner pages.

@@ -76,18 +76,23 @@ class Loader:
             load.error = f"offload load failed: {e}"
 
     def _copy_in(self, load: Load) -> None:
+        """Disk entries first (each into its slot, or a row of one staging tensor), then the copies: per group and
+        source tensor, one `BlockCopier.from_rows` call that merges runs of blocks into strided copies."""
         start, reading = time.perf_counter(), 0.0
-        nbytes = copies = 0
+        num_staged = sum(item.slot is None for item in load.items)
+        staging = torch.empty((num_staged, self.cpu.slot_bytes), dtype=torch.uint8) if num_staged else None
+        batches: dict[tuple[int, bool], tuple[list[int], list[int]]] = {}  # (group, staged) -> (blocks, rows)
+        nbytes = staged = 0
         for item in load.items:
             n = self.copier.payload_bytes(item.group)
             if item.slot is not None:
-                slot = self.cpu.slot(item.slot)
+                src, row = self.cpu.data, item.slot
             else:
-                slot = torch.empty(self.cpu.slot_bytes, dtype=torch.uint8)
+                src, row, staged = staging, staged, staged + 1
             if item.from_disk:
                 assert self.disk is not None
                 t0 = time.perf_counter()
-                status = self.disk.read(item.key, memoryview(slot.numpy())[:n])
+                status = self.disk.read(item.key, memoryview(src[row].numpy())[:n])
                 if status != "ok":
                     load.error = f"the disk entry of {describe(item.key)} is {status}"
                     return
@@ -95,8 +100,13 @@ class Loader:
                 seconds = time.perf_counter() - t0
                 reading += seconds
                 self.stats.transfer("disk_to_cpu", n, seconds, 1, 1)
-            copies += self.copier.from_slot(item.group, item.block_id, slot)
+            blocks, rows = batches.setdefault((item.group, item.slot is None), ([], []))
+            blocks.append(item.block_id)
+            rows.append(row)
             nbytes += n
+        copies = 0
+        for (group, from_staging), (blocks, rows) in batches.items():
+            copies += self.copier.from_rows(group, blocks, rows, staging if from_staging else self.cpu.data)
         if self.stream is not None:
             self.stream.synchronize()  # the blocks are complete before the scheduler hears of it
         seconds = time.perf_counter() - start - reading

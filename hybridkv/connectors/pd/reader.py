@@ -227,12 +227,13 @@ class NixlReader:
             load.state = LoadState.RELEASING
             self.io.release_tracked(load.request_id, True)
             return
+        submitted = time.monotonic()  # transfer time counts from submission: a read may move bytes inside read()
         try:
             load.handle = self.transport.read(descs, peer.agent)
         except Exception as e:
             self._fail(load, f"NIXL read failed to start: {e}")
             return
-        load.state, load.started = LoadState.READING, time.monotonic()
+        load.state, load.started = LoadState.READING, submitted
         self.stats["kv_transfer_reads"] += 1
         self.stats["kv_transfer_bytes"] += descs.nbytes
         self.stats["kv_transfer_descriptors"] += descs.count
