@@ -6,7 +6,9 @@ A sliding-window group gathers only the blocks that the step's queries can see. 
 visible to the query at position p when j <= p, j < seq_len and, for a sliding window W, p - j < W.
 
 Decode runs on CPU read their keys in place (`kernels/paged_decode.cpp`) when the native kernel is built: no
-gather and no mask. Everything else (and every run where the kernel is off) gathers and calls SDPA.
+gather and no mask. Everything else (and every run where the kernel is off) gathers and calls SDPA. On CPU, a
+tiled full-attention run of a step that is not exact attends in two mask-free calls instead of masked tiles:
+its prefix [0, start) (visible to every query) and its own keys (causal), merged by their log-sum-exps.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class RunKV:
     num_blocks: int
     tiles: list[Tile]
     in_place: tuple[int, int] | None = None  # slots: bases, positions
+    causal_split: bool = False  # a tiled full-attention run attended as prefix + causal self (no tiles)
 
 
 @dataclass
@@ -74,9 +77,11 @@ class GroupMetadata:
         device: torch.device,
         masks: dict[tuple, list[Tile]] | None = None,
         in_place_decode: bool = False,
+        causal_split: bool = False,
     ) -> GroupMetadata:
         """`masks`: tiles built earlier in this step, shared by groups with the same window and spans.
-        `in_place_decode`: decode runs will be read in place by the native kernel (they need no masks)."""
+        `in_place_decode`: decode runs will be read in place by the native kernel (they need no masks).
+        `causal_split`: tiled full-attention runs of a step that is not exact attend without masks (CPU)."""
         # Sliding groups read from block `first[b]` on: the block holding the first key any query can see.
         first = [0] * len(tables)
         if window is not None:
@@ -90,6 +95,9 @@ class GroupMetadata:
                 bases = step.pack.add([f * block_size for f in first[run.r0 : run.r1]])
                 in_place = (bases, step.pack.add(step.starts[run.r0 : run.r1]))
                 runs.append(RunKV(step.pack.add(gathered), span, [], in_place))
+                continue
+            if causal_split and run.kind == TILED and window is None and not step.exact:
+                runs.append(RunKV(step.pack.add(gathered), span, [], causal_split=True))
                 continue
             key = (i, block_size, window, span, *first[run.r0 : run.r1])
             tiles = None if masks is None else masks.get(key)
@@ -258,6 +266,8 @@ class PagedAttention:
 
     def _tiled(self, run: Run, r: RunKV, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):
         qt = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if r.causal_split:
+            return _prefix_and_causal(qt, keys, values, self.step.starts[run.r0], scale)[0].transpose(0, 1)
         gqa = q.shape[1] != keys.shape[1]
         outs = [
             F.scaled_dot_product_attention(
@@ -274,3 +284,21 @@ class PagedAttention:
 
 
 ATTEND = {DECODE: PagedAttention._decode, PADDED: PagedAttention._padded, TILED: PagedAttention._tiled}
+
+
+def _prefix_and_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float):
+    """q [1, Hq, n, D] at positions [start, start + n) over keys [1, Hk, >= start + n, D]: the prefix [0, start)
+    is visible to every query and the chunk's own keys causally, so each part is one mask-free flash call (CPU,
+    which also returns the log-sum-exp) and the parts merge by their softmax weights."""
+    n, g = q.shape[2], q.shape[1] // keys.shape[1]
+    k, v = keys[:, :, : start + n], values[:, :, : start + n]
+    if g > 1:
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    own, own_lse = flash(q, k[:, :, start:], v[:, :, start:], 0.0, True, scale=scale)
+    if start == 0:
+        return own
+    pre, pre_lse = flash(q, k[:, :, :start], v[:, :, :start], 0.0, False, scale=scale)
+    top = torch.maximum(own_lse, pre_lse)
+    w_own, w_pre = (own_lse - top).exp_().unsqueeze(-1), (pre_lse - top).exp_().unsqueeze(-1)
+    return ((own.float() * w_own + pre.float() * w_pre) / (w_own + w_pre)).to(q.dtype)

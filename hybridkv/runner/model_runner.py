@@ -49,6 +49,7 @@ class ModelRunner:
                 self.device,
                 masks,
                 in_place_decode=self.decode_kernel is not None,
+                causal_split=self.device.type == "cpu",
             )
             if g.layers
             else None

@@ -24,7 +24,7 @@ def dense(q, keys, values, positions, window, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["torch", "native-decode"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch", "native-decode+split"])
 @pytest.mark.parametrize("seed", range(12))
 def test_matches_dense_attention(seed, in_place):
     kernel = kernels.paged_decode() if in_place else None
@@ -53,7 +53,16 @@ def test_matches_dense_attention(seed, in_place):
         step = StepIndex(starts, lengths, IndexPack(), tile=rng.choice([3, 16, 256]))
         masks: dict = {}
         meta = [
-            GroupMetadata.build(step, [r["tables"][g] for r in order], bs, w, CPU, masks, in_place_decode=in_place)
+            GroupMetadata.build(
+                step,
+                [r["tables"][g] for r in order],
+                bs,
+                w,
+                CPU,
+                masks,
+                in_place_decode=in_place,
+                causal_split=in_place,
+            )
             for g, (bs, w) in enumerate(groups)
         ]
         step.pack.upload(CPU)
