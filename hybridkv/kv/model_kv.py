@@ -112,7 +112,12 @@ def _mistral(cfg: Mapping[str, Any]) -> tuple[list[LayerAttn], dict[int, int]]:
     return _from_layer_types(cfg, types), {}
 
 
+# Gemma3TextConfig's defaults for the fields that size the cache (not the generic hidden / heads fallback).
+GEMMA3_SHAPE_DEFAULTS = {"head_dim": 256, "num_key_value_heads": 4}
+
+
 def _gemma3(cfg: Mapping[str, Any]) -> tuple[list[LayerAttn], dict[int, int]]:
+    cfg = {**GEMMA3_SHAPE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
     types = cfg.get("layer_types")
     if types is None:
         pattern = cfg.get("sliding_window_pattern", 6)

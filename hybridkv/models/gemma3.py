@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.kv.model_kv import MODEL_READERS
+from hybridkv.kv.model_kv import GEMMA3_SHAPE_DEFAULTS, MODEL_READERS
 from hybridkv.models import norm, rope
 from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.fuse import FusedLinear
@@ -34,10 +34,8 @@ TEXT_DEFAULTS: dict[str, Any] = {
     "attn_logit_softcapping": None,
     "use_bidirectional_attention": False,
     "tie_word_embeddings": True,
+    **GEMMA3_SHAPE_DEFAULTS,  # the KV planner reads the same
 }
-# Fields whose transformers default (256, 4) differs from the KV planner's fallback (hidden / heads, heads): a
-# config without them would give the model and the cache different shapes.
-_REQUIRED = ("head_dim", "num_key_value_heads")
 # Per layer type: the legacy field holding its RoPE base, and transformers' default base.
 _ROPE_BASES = {"full_attention": ("rope_theta", 1_000_000.0), "sliding_attention": ("rope_local_base_freq", 10_000.0)}
 
@@ -169,9 +167,6 @@ def rope_parameters_by_type(cfg: Mapping[str, Any]) -> dict[str, dict[str, Any]]
 
 
 def _check_supported(cfg: Mapping[str, Any]) -> None:
-    missing = [f for f in _REQUIRED if not cfg.get(f)]
-    if missing:
-        raise ValueError(f"gemma3_text config lacks {', '.join(missing)}: the model and the KV plan would disagree")
     if cfg["use_bidirectional_attention"]:
         raise ValueError("Gemma 3 with use_bidirectional_attention is not causal: not supported")
     if cfg["attn_logit_softcapping"] is not None:

@@ -183,7 +183,16 @@ def test_unsupported_configs_are_refused(extra, match):
         build_model(cfg)
 
 
-def test_a_config_without_head_dim_is_refused():
-    cfg = {k: v for k, v in transformers.Gemma3TextConfig(**TINY).to_dict().items() if k != "head_dim"}
-    with pytest.raises(ValueError, match="head_dim"):
-        build_model(cfg)
+def test_a_config_without_head_dim_gets_transformers_defaults_in_model_and_plan():
+    """transformers fills head_dim 256 and 4 KV heads, not hidden / heads: the model and the KV plan agree."""
+    from hybridkv.kv.model_kv import MODEL_READERS
+
+    cfg = transformers.Gemma3TextConfig(**TINY).to_dict()
+    cfg = {k: v for k, v in cfg.items() if k not in ("head_dim", "num_key_value_heads")}
+    model = build_model(cfg, dtype="float32")
+    layers, _ = MODEL_READERS["gemma3_text"](cfg)
+    want = transformers.Gemma3TextConfig(
+        **{k: v for k, v in TINY.items() if k not in ("head_dim", "num_key_value_heads")}
+    )
+    assert {(a.num_kv_heads, a.head_size) for a in layers} == {(want.num_key_value_heads, want.head_dim)}
+    assert model.layers[0].self_attn.head_dim == want.head_dim
