@@ -22,9 +22,12 @@ class AttentionFn(Protocol):
         q: torch.Tensor,  # [N, num_heads, head_size]
         kv: torch.Tensor | None,  # [N, 2, num_kv_heads, head_size] (keys, values); None for a KV-sharing consumer
         scale: float,
+        sinks: torch.Tensor | None = None,  # [num_heads] float: a sink logit per head (GPT-OSS)
     ) -> torch.Tensor:  # [N, num_heads, head_size]
         """Store the keys and values of the N new tokens for `layer` (unless None), then attend each query to
-        the KV its token may see: for a consumer, the KV its target layer stored. Returns the attention output."""
+        the KV its token may see: for a consumer, the KV its target layer stored. Returns the attention output.
+        With `sinks`, head h's softmax denominator also holds exp(sinks[h]), an extra logit whose value row is
+        zero: out_h = softmax-weighted values * Z_h / (Z_h + exp(sinks[h]))."""
         ...
 
 

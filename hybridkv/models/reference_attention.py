@@ -28,7 +28,9 @@ class ReferenceAttention:
         """For a model that exposes `layer_windows` and `kv_sharing` (all of ours do)."""
         return cls(model.layer_windows, model.kv_sharing)
 
-    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor | None, scale: float) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q: torch.Tensor, kv: torch.Tensor | None, scale: float, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         source = self.kv_sharing.get(layer, layer)
         if source != layer and kv is not None:
             raise ValueError(f"layer {layer} reads the KV of layer {source}: it must pass kv=None")
@@ -52,5 +54,7 @@ class ReferenceAttention:
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) * scale
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # one more logit per head, dropped after the softmax
+            scores = torch.cat([scores, sinks.float()[:, None, None].expand(-1, n, 1)], -1)
+        probs = torch.softmax(scores, dim=-1)[..., :t]
         return torch.einsum("hqk,khd->qhd", probs, values.float()).to(q.dtype)

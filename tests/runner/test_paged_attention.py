@@ -13,20 +13,24 @@ from hybridkv.runner.step_index import IndexPack, StepIndex
 CPU = torch.device("cpu")
 
 
-def dense(q, keys, values, positions, window, scale):
-    """q [n, hq, d] at `positions`; keys/values [T, hk, d] for positions 0..T-1."""
+def dense(q, keys, values, positions, window, scale, sinks=None):
+    """q [n, hq, d] at `positions`; keys/values [T, hk, d] for positions 0..T-1; `sinks` [hq]: an extra logit per
+    head in the softmax's denominator."""
     key_pos = torch.arange(keys.shape[0])[None, :]
     q_pos = torch.tensor(positions)[:, None]
     visible = (key_pos <= q_pos) & ((key_pos > q_pos - window) if window else True)
     g = q.shape[1] // keys.shape[1]
     k, v = keys.double().repeat_interleave(g, 1), values.double().repeat_interleave(g, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k).mul(scale).masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double()[:, None, None].expand(-1, q.shape[0], 1)], -1)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1)[..., : keys.shape[0]], v)
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["torch", "native-decode+split"])
 @pytest.mark.parametrize("seed", range(12))
-def test_matches_dense_attention(seed, in_place):
+def test_matches_dense_attention(seed, in_place, sinks):
     kernel = kernels.paged_decode() if in_place else None
     assert kernel is not None or not in_place, "the native decode kernel did not build (see the log)"
     rng = random.Random(seed)
@@ -69,13 +73,14 @@ def test_matches_dense_attention(seed, in_place):
         attn = PagedAttention(views, layer_group, meta, step, workspace, kernel)
         for layer, g in layer_group.items():
             q = torch.randn(sum(lengths), hq, d)
-            out = attn(layer, q, None if layer == 2 else torch.randn(sum(lengths), 2, hk, d), 0.7)
+            sink = torch.randn(hq) * 2 if sinks else None
+            out = attn(layer, q, None if layer == 2 else torch.randn(sum(lengths), 2, hk, d), 0.7, sink)
             bs, window = groups[g]
             t0 = 0
             for req, s, n in zip(order, starts, lengths):
                 pos = torch.arange(s + n)
                 blocks = torch.tensor([req["tables"][g][p // bs] for p in range(s + n)])
                 kv = views[layer][blocks, pos % bs]
-                want = dense(q[t0 : t0 + n], kv[:, 0], kv[:, 1], list(range(s, s + n)), window, 0.7)
+                want = dense(q[t0 : t0 + n], kv[:, 0], kv[:, 1], list(range(s, s + n)), window, 0.7, sink)
                 assert (out[t0 : t0 + n].double() - want).abs().max() < 1e-4
                 t0 += n
