@@ -25,6 +25,7 @@ MODELS: dict[str, str] = {  # model_type -> "module:class", imported when first 
     "qwen3_5_text": "hybridkv.models.qwen3_5:Qwen3_5ForCausalLM",
     "qwen3_5": "hybridkv.models.qwen3_5:Qwen3_5ForCausalLM",  # the text model of the multimodal checkpoint
     "nemotron_h": "hybridkv.models.nemotron_h:NemotronHForCausalLM",
+    "gpt_oss": "hybridkv.models.gpt_oss:GptOssForCausalLM",
 }
 
 

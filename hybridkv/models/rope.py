@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "llama3", "proportional")
+ROPE_TYPES = ("default", "linear", "llama3", "proportional", "yarn")
 
 
 def rope_parameters(cfg: Mapping[str, Any], default_theta: float = 10_000.0) -> dict[str, Any]:
@@ -23,6 +23,11 @@ def rope_parameters(cfg: Mapping[str, Any], default_theta: float = 10_000.0) -> 
     params.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
     if params["rope_type"] == "llama3":
         params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    if params["rope_type"] == "yarn":
+        # A top-level `original_max_position_embeddings` (Phi-3 style) wins over the one in the RoPE dict.
+        old_len = cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = old_len or cfg.get("max_position_embeddings")
+        params.setdefault("max_position_embeddings", cfg.get("max_position_embeddings"))
     return params
 
 
@@ -44,6 +49,8 @@ def inv_freq(params: Mapping[str, Any], head_dim: int) -> torch.Tensor:
         return freq / params["factor"]
     if rope_type == "llama3":
         return _llama3(freq, params)
+    if rope_type == "yarn":
+        return _yarn(freq, base ** (even / head_dim), params, head_dim)
     return freq
 
 
@@ -56,6 +63,50 @@ def _llama3(freq: torch.Tensor, params: Mapping[str, Any]) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_factor(params: Mapping[str, Any]) -> float:
+    factor = params.get("factor")
+    if factor is None:  # DeepSeek-style configs give the ratio through the two lengths
+        return params["max_position_embeddings"] / params["original_max_position_embeddings"]
+    return factor
+
+
+def _yarn(freq: torch.Tensor, powers: torch.Tensor, params: Mapping[str, Any], head_dim: int) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): each frequency blends the original (extrapolated) and the `factor`-interpolated
+    one, by a ramp over the dimensions between the ones making `beta_fast` and `beta_slow` turns within the
+    original context length. `powers`: base ** (2i / head_dim), computed directly (not as 1 / freq)."""
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("yarn RoPE with partial_rotary_factor != 1 is not supported")
+    base, old_len = params["rope_theta"], params["original_max_position_embeddings"]
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def dim_of(turns: float) -> float:  # the (fractional) dimension whose wavelength fits `turns` times
+        return head_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency (high frequencies), 0: the interpolated one
+    return 1.0 / (_yarn_factor(params) * powers) * (1 - keep) + freq * keep
+
+
+def attention_factor(params: Mapping[str, Any]) -> float:
+    """The factor a RoPE type scales its cos/sin tables by: 1 except for yarn."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = _yarn_factor(params), params.get("mscale"), params.get("mscale_all_dim")
+    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
 
 class RopeTables:
@@ -86,17 +137,17 @@ class Rotary:
 
     def __init__(self, params: Mapping[str, Any], head_dim: int) -> None:
         self.freq = inv_freq(params, head_dim)
+        self.scale = attention_factor(params)  # yarn's factor on cos and sin; 1 (no multiply) otherwise
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """positions [N] -> tables [N, 1, head_dim]."""
         if self.freq.device != positions.device:
             self.freq = self.freq.to(positions.device)
         angles = positions[:, None].float() * self.freq[None, :]
-        sin = angles.sin()
-        return RopeTables(
-            torch.cat((angles, angles), dim=-1).cos().to(dtype)[:, None],
-            torch.cat((-sin, sin), dim=-1).to(dtype)[:, None],
-        )
+        cos, sin = torch.cat((angles, angles), dim=-1).cos(), angles.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return RopeTables(cos.to(dtype)[:, None], torch.cat((-sin, sin), dim=-1).to(dtype)[:, None])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
