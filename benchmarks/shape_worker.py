@@ -5,9 +5,10 @@ way on stdin/stdout, so the orchestrator can alternate engines job by job and re
 
 ENGINE: hybridkv, hybridkv-plain (this engine without #16's fast paths), transformers or vllm.
 
-A job is {"prompts": [[token ids]], "max_tokens": n}; the reply {"seconds", "tokens", "rss_mib"} times only the
-generation call. Runs under the main environment (hybridkv, transformers) or the vLLM venv (vllm): it imports
-nothing from this repository at module level.
+A job is {"prompts": [[token ids]], "max_tokens": n, "stream": bool}; the reply {"seconds", "tokens", "rss_mib"}
+times only the generation call. A streamed job (one prompt) also replies "first_token_s": when the first token
+came out, so TTFT and the inter-token latency come from the same run. Runs under the main environment (hybridkv,
+transformers) or the vLLM venv (vllm): it imports nothing from this repository at module level.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 Generate = Callable[[list[list[int]], int], list[list[int]]]
+Stream = Callable[[list[int], int], tuple[float, list[int]]]  # -> (seconds to the first token, tokens)
 KV_GIB = 3  # KV cache budget of every engine (vLLM: VLLM_CPU_KVCACHE_SPACE, set by the orchestrator)
 
 
@@ -64,7 +66,16 @@ def hybridkv_engine(folder: str, dtype: str, max_len: int, plain: bool = False) 
         outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    return generate
+    def stream(prompt: list[int], n: int) -> tuple[float, list[int]]:
+        start, first = time.perf_counter(), None
+        req = llm.engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+            if first is None and req.output_token_ids:
+                first = time.perf_counter() - start
+        return first, list(req.output_token_ids)
+
+    return generate, stream
 
 
 def transformers_engine(folder: str, dtype: str, max_len: int) -> Generate:
@@ -79,7 +90,27 @@ def transformers_engine(folder: str, dtype: str, max_len: int) -> Generate:
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         return out[:, ids.shape[1] :].tolist()
 
-    return generate
+    class FirstToken:  # generate() calls put() with the prompt, then with each new token
+        def __init__(self) -> None:
+            self.start, self.calls, self.first = time.perf_counter(), 0, None
+
+        def put(self, value: object) -> None:
+            self.calls += 1
+            if self.calls == 2:
+                self.first = time.perf_counter() - self.start
+
+        def end(self) -> None:
+            pass
+
+    def stream(prompt: list[int], n: int) -> tuple[float, list[int]]:
+        ids, timer = torch.tensor([prompt]), FirstToken()
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, streamer=timer
+            )
+        return timer.first, out[0, ids.shape[1] :].tolist()
+
+    return generate, stream
 
 
 def vllm_engine(folder: str, dtype: str, max_len: int) -> Generate:
@@ -95,10 +126,23 @@ def vllm_engine(folder: str, dtype: str, max_len: int) -> Generate:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    return generate
+    counter = iter(range(1 << 30))
+
+    def stream(prompt: list[int], n: int) -> tuple[float, list[int]]:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False)
+        engine, start, first, tokens = llm.llm_engine, time.perf_counter(), None, []
+        engine.add_request(f"stream-{next(counter)}", {"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens = list(out.outputs[0].token_ids)
+                if first is None and tokens:
+                    first = time.perf_counter() - start
+        return first, tokens
+
+    return generate, stream
 
 
-ENGINES = {
+ENGINES: dict[str, Callable[[str, str, int], tuple[Generate, Stream]]] = {
     "hybridkv": hybridkv_engine,
     "hybridkv-plain": lambda *a: hybridkv_engine(*a, plain=True),
     "transformers": transformers_engine,
@@ -115,15 +159,20 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(int(threads))
-    generate = ENGINES[engine](folder, dtype, int(max_len))
+    generate, stream = ENGINES[engine](folder, dtype, int(max_len))
     generate([[5, 6, 7, 8]], 2)  # warm-up
+    stream([5, 6, 7, 8], 2)
     print("READY", file=out, flush=True)
     for line in sys.stdin:
         job = json.loads(line)
-        start = time.perf_counter()
-        tokens = generate(job["prompts"], job["max_tokens"])
-        seconds = time.perf_counter() - start
-        print(json.dumps({"seconds": seconds, "tokens": tokens, "rss_mib": tree_peak_rss_mib()}), file=out, flush=True)
+        start, reply = time.perf_counter(), {}
+        if job.get("stream"):
+            reply["first_token_s"], tokens = stream(job["prompts"][0], job["max_tokens"])
+            tokens = [tokens]
+        else:
+            tokens = generate(job["prompts"], job["max_tokens"])
+        reply |= {"seconds": time.perf_counter() - start, "tokens": tokens, "rss_mib": tree_peak_rss_mib()}
+        print(json.dumps(reply), file=out, flush=True)
 
 
 if __name__ == "__main__":
