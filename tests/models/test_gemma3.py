@@ -10,15 +10,13 @@ layers, as in real Gemma 3s) packs two layers per group, so per-layer cuts each 
 import pytest
 import torch
 
-from hybridkv.engine.llm import LLM
 from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
 from hybridkv.kv.planner import CacheConfig, plan_from_hf_config
 from hybridkv.models.gemma3 import rope_parameters_by_type
 from hybridkv.models.registry import build_model, load_model
 from hybridkv.models.rope import inv_freq
-from hybridkv.request.sampling_params import SamplingParams
-from tests.models.util import assert_parity, hf_greedy, hf_logits, our_greedy, our_logits, prompt, randomize
-from tests.recording import record_logits
+from tests.models.parity_checks import check_decode, check_engine_layouts, check_prefill
+from tests.models.util import randomize
 
 transformers = pytest.importorskip("transformers")
 
@@ -93,46 +91,17 @@ def test_rope_frequencies_match_transformers(case):
 
 @pytest.mark.parametrize("n", [WINDOW // 2, 3 * WINDOW + 5])
 def test_prefill_logits_match(case, n):
-    hf, model, _ = case
-    ids = prompt(n, VOCAB)
-    assert_parity(our_logits(model, ids), hf_logits(hf, ids))
+    check_prefill(case, n, VOCAB)
 
 
 @pytest.mark.parametrize("n", [5, 2 * WINDOW + 3])
 def test_decode_matches_token_by_token(case, n):
     """Prompts shorter and longer than the window; the decode steps cross the window boundary either way."""
-    hf, model, _ = case
-    theirs, their_logits = hf_greedy(hf, prompt(n, VOCAB), steps=STEPS)
-    ours, our_step_logits = our_greedy(model, prompt(n, VOCAB), steps=STEPS)
-    assert_parity(our_step_logits, their_logits)
-    assert ours == theirs
-    assert len(set(ours)) > 1
-
-
-def run_engine(path, prompts, layout):
-    llm = LLM(str(path), dtype="float32", kv_layout=layout, kv_cache_memory="16MiB", block_size=4)
-    recorded = record_logits(llm)
-    params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
-    outs = llm.generate(prompts, params)
-    llm.engine.kv.check_integrity()
-    assert llm.engine.kv.pool.num_used_blocks == 0
-    return outs, [torch.stack(recorded[out.request_id]) for out in outs]
+    check_decode(case, n, VOCAB, STEPS)
 
 
 def test_engine_matches_transformers_in_both_layouts(case):
-    """A batch of prompts shorter and longer than the window: the logits at the prompt end and at every decode
-    step within 1e-4 of transformers', greedy tokens equal; the packed layout gives the per-layer run's bits."""
-    hf, _, path = case
-    prompts = [prompt(n, VOCAB, seed=n).tolist() for n in (3, WINDOW + 1, 4 * WINDOW + 3)]
-    runs = {layout: run_engine(path, prompts, layout) for layout in ("per-layer", "packed")}
-    outs, logits = runs["per-layer"]
-    for p, out, ours in zip(prompts, outs, logits):
-        theirs, their_logits = hf_greedy(hf, torch.tensor(p), steps=STEPS)
-        assert_parity(ours, their_logits)
-        assert list(out.outputs[0].token_ids) == theirs
-    packed_outs, packed_logits = runs["packed"]
-    assert [o.outputs[0].token_ids for o in packed_outs] == [o.outputs[0].token_ids for o in outs]
-    assert all(torch.equal(a, b) for a, b in zip(packed_logits, logits))
+    check_engine_layouts(case, VOCAB, WINDOW, STEPS)
 
 
 def test_the_layouts_differ_with_two_full_layers(case):
