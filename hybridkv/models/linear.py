@@ -45,9 +45,22 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+class TiedLogits(nn.Module):
+    """The logits matmul of a model whose lm_head is its input embedding: through a packed copy of the table (the
+    table itself stays, for lookups), which costs vocab x hidden more bytes and saves ~2/3 of the logits time."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.packed = pack_weight(embedding.weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return packed_linear(hidden, self.packed, None)
+
+
 def pack_linears(model: nn.Module) -> int:
     """Pack every FusedLinear (held as a plain attribute of a module) and every other `Linear`; the number packed.
-    A fused projection's members are views of its weight, so they are released, not packed again."""
+    A fused projection's members are views of its weight, so they are released, not packed again. A tied
+    lm_head (`lm_head` None beside an `embed_tokens`) becomes a `TiedLogits`."""
     members: set[int] = set()
     count = 0
     for module in model.modules():
@@ -60,4 +73,7 @@ def pack_linears(model: nn.Module) -> int:
         if isinstance(module, Linear) and id(module) not in members and module.packed is None:
             module.pack()
             count += 1
+    if getattr(model, "lm_head", False) is None and isinstance(getattr(model, "embed_tokens", None), nn.Embedding):
+        model.lm_head = TiedLogits(model.embed_tokens)
+        count += 1
     return count
