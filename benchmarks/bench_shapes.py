@@ -55,8 +55,9 @@ def build(shape: str, folder: Path, max_len: int) -> Path:
     import torch
     import transformers
 
-    if (folder / "config.json").exists():
-        return folder
+    config = folder / "config.json"
+    if config.exists() and json.loads(config.read_text()).get("max_position_embeddings", 0) >= max_len:
+        return folder  # kept from an earlier run (--models) with enough positions
     if SHAPES[shape][0] == "hybrid":
         sys.path.insert(0, str(HERE))
         from hybrid_models import build as build_hybrid
