@@ -183,3 +183,21 @@ def test_remote_block_ids_outside_the_peers_pool_fail_without_a_read():
     r.poll(events)
     assert events.loaded == {"r-1": False} and "outside the peer's pool of 4" in events.errors["r-1"]
     assert transport.reads == 0 and io.posted == [] and r.stats["kv_transfer_failures"] == 1
+
+
+def test_the_transfer_clock_counts_from_submission():
+    """Loopback UCX moves most bytes inside the submitting read() call: kv_transfer_seconds must include it."""
+    import time
+
+    class SlowSubmit(FakeTransport):
+        def read(self, descs, agent):
+            time.sleep(0.05)  # the bytes move here
+            return super().read(descs, agent)
+
+    transport = SlowSubmit("DONE", refusals=0)
+    r = reader(transport, FakeIO(), timeout_s=30.0)
+    start(r)
+    for _ in range(3):
+        r.poll(ConnectorEvents())
+    assert transport.reads == 1 and r.stats["kv_transfer_reads"] == 1
+    assert r.stats["kv_transfer_seconds"] >= 0.05
