@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridkv.runner.flash import attend, attend_with_lse, prefix_and_causal, with_sinks
 from hybridkv.runner.step_index import DECODE, PADDED, TILED, IndexPack, Run, StepIndex
 
 DecodeKernel = Callable[..., torch.Tensor]
@@ -271,75 +272,18 @@ class PagedAttention:
         rows, places = (self.step.pack[s] for s in run.slots)
         qp = q.new_zeros(run.num_reqs, run.max_q, q.shape[1], q.shape[2])
         qp[rows, places] = q
-        out = _attend(qp.transpose(1, 2), keys, values, r.tiles[0].mask, scale, sinks)  # [B, Hq, max_q, D]
+        out = attend(qp.transpose(1, 2), keys, values, r.tiles[0].mask, scale, sinks)  # [B, Hq, max_q, D]
         return out.transpose(1, 2)[rows, places]
 
     def _tiled(self, run: Run, r: RunKV, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale, sinks):
         qt = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if r.causal_split:
-            return _prefix_and_causal(qt, keys, values, self.step.starts[run.r0], scale, sinks)[0].transpose(0, 1)
+            return prefix_and_causal(qt, keys, values, self.step.starts[run.r0], scale, sinks)[0].transpose(0, 1)
         outs = [
-            _attend(qt[:, :, t.q0 : t.q1], keys[:, :, t.k0 : t.k1], values[:, :, t.k0 : t.k1], t.mask, scale, sinks)
+            attend(qt[:, :, t.q0 : t.q1], keys[:, :, t.k0 : t.k1], values[:, :, t.k0 : t.k1], t.mask, scale, sinks)
             for t in r.tiles
         ]
         return torch.cat(outs, 2)[0].transpose(0, 1)  # [n, Hq, D]
 
 
 ATTEND = {DECODE: PagedAttention._decode, PADDED: PagedAttention._padded, TILED: PagedAttention._tiled}
-
-
-def _prefix_and_causal(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float, sinks: torch.Tensor | None
-) -> torch.Tensor:
-    """q [1, Hq, n, D] at positions [start, start + n) over keys [1, Hk, >= start + n, D]: the prefix [0, start)
-    is visible to every query and the chunk's own keys causally, so each part is one mask-free flash call (CPU,
-    which also returns the log-sum-exp) and the parts merge by their softmax weights."""
-    n, g = q.shape[2], q.shape[1] // keys.shape[1]
-    k, v = keys[:, :, : start + n], values[:, :, : start + n]
-    if g > 1:
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    own, own_lse = flash(q, k[:, :, start:], v[:, :, start:], 0.0, True, scale=scale)
-    if start == 0:
-        return own if sinks is None else with_sinks(own, own_lse, sinks.view(1, -1, 1))
-    pre, pre_lse = flash(q, k[:, :, :start], v[:, :, :start], 0.0, False, scale=scale)
-    top = torch.maximum(own_lse, pre_lse)
-    w_own, w_pre = (own_lse - top).exp_().unsqueeze(-1), (pre_lse - top).exp_().unsqueeze(-1)
-    out = (own.float() * w_own + pre.float() * w_pre) / (w_own + w_pre)
-    if sinks is not None:
-        out = with_sinks(out, top + (w_own + w_pre).squeeze(-1).log(), sinks.view(1, -1, 1))
-    return out.to(q.dtype)
-
-
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, sinks):
-    """SDPA of q [B, Hq, L, D] over keys [B, Hk, Lk, D] under an additive mask; with sinks, through the
-    log-sum-exp (K/V expanded to the query heads)."""
-    gqa = q.shape[1] != keys.shape[1]
-    if sinks is None:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    if gqa:
-        g = q.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
-    out, lse = attend_with_lse(q, keys, values, mask, scale)
-    return with_sinks(out, lse, sinks.view(1, -1, 1))
-
-
-def attend_with_lse(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output [B, H, L, D], log-sum-exp [B, H, L] float32) of attention with equal head counts: torch's CPU flash
-    kernel where it applies, else plain math."""
-    if q.device.type == "cpu":
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        return flash(q, keys, values, 0.0, False, attn_mask=mask.to(q.dtype), scale=scale)
-    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale + mask
-    lse = torch.logsumexp(scores, -1)
-    return torch.matmul((scores - lse.unsqueeze(-1)).exp(), values.float()).to(q.dtype), lse
-
-
-def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """Attention output `out` [..., H, L, D] whose softmax had log-normaliser `lse` [..., H, L], rescaled as if
-    each head's denominator also held exp(sink): by Z / (Z + e^sink) = sigmoid(lse - sink). `sinks` is shaped to
-    broadcast against lse ([1, H, 1] for [B, H, L]; [1, Hk, G] for a decode's [B, Hk, G])."""
-    factor = torch.sigmoid(lse - sinks.float()).unsqueeze(-1)
-    return (out.float() * factor).to(out.dtype)

@@ -39,8 +39,8 @@ def _load(name: str) -> object | None:
     from torch.utils.cpp_extension import load
 
     build = _build_dir()
-    build.mkdir(parents=True, exist_ok=True)
     try:
+        build.mkdir(parents=True, exist_ok=True)
         log.info("loading native kernel %s (compiled once per machine into %s, about a minute)", name, build)
         return load(
             f"hybridkv_{name}",
