@@ -57,8 +57,8 @@ def test_full_attention_limited_to_the_window_fails(baseline, monkeypatch):
     window = next(g.sliding_window for g in llm.engine.plan.groups if g.sliding_window)
     build = attention.GroupMetadata.build
 
-    def windowed(step, tables, block_size, w, device, masks=None):
-        return build(step, tables, block_size, w or window, device, masks)
+    def windowed(step, tables, block_size, w, device, masks=None, **fast_paths):
+        return build(step, tables, block_size, w or window, device, masks, **fast_paths)
 
     monkeypatch.setattr(attention.GroupMetadata, "build", staticmethod(windowed))
     assert accuracy(llm) <= baseline - 0.3
