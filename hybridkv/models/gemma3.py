@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kv.model_kv import GEMMA3_SHAPE_DEFAULTS, MODEL_READERS
@@ -20,7 +19,7 @@ from hybridkv.models import norm, rope
 from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.gemma4 import _in_dtype
-from hybridkv.models.linear import Linear
+from hybridkv.models.linear import Linear, output_logits
 from hybridkv.models.llama import ACTIVATIONS, MLP
 from hybridkv.models.llama import Attention as LlamaAttention
 
@@ -133,10 +132,7 @@ class Gemma3ForCausalLM(CausalLM):
                 module.prepare()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
-        if self.softcap is not None:
-            logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
-        return logits
+        return output_logits(hidden, self.embed_tokens, self.lm_head, self.softcap)
 
     def checkpoint_name(self, name: str) -> str | None:
         """Our state-dict name for a checkpoint tensor, or None to skip it (a tied lm_head, RoPE buffers)."""

@@ -20,7 +20,7 @@ from torch import nn
 from hybridkv.kv.model_kv import MODEL_READERS, LayerAttn
 from hybridkv.models.base import AttentionFn, CausalLM, OutputRows, RecurrentStates
 from hybridkv.models.fuse import FusedLinear
-from hybridkv.models.linear import Linear
+from hybridkv.models.linear import Linear, output_logits
 from hybridkv.models.llama import ACTIVATIONS
 from hybridkv.models.norm import norm_constants, rms_norm, scaled_rms_norm
 from hybridkv.models.rope import RopeTables, Rotary, apply_rope
@@ -274,10 +274,7 @@ class Gemma4ForCausalLM(CausalLM):
                 norm.prepare()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
-        if self.softcap is not None:
-            logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
-        return logits
+        return output_logits(hidden, self.embed_tokens, self.lm_head, self.softcap)
 
     def checkpoint_name(self, name: str) -> str | None:
         """Our state-dict name for a checkpoint tensor, or None to skip it (vision/audio towers, a tied lm_head,

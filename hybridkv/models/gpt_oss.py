@@ -15,14 +15,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kv.model_kv import MODEL_READERS
 from hybridkv.models import norm
 from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.fuse import FusedLinear
-from hybridkv.models.linear import Linear
+from hybridkv.models.linear import Linear, output_logits
 from hybridkv.models.llama import Attention as LlamaAttention
 from hybridkv.models.rope import Rotary, apply_rope, rope_parameters
 
@@ -188,7 +187,7 @@ class GptOssForCausalLM(CausalLM):
                 module.prepare()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
+        return output_logits(hidden, self.embed_tokens, self.lm_head)
 
     def checkpoint_name(self, name: str) -> str | None:
         """Our state-dict name for a checkpoint tensor, or None to skip it (a tied lm_head, RoPE buffers)."""

@@ -77,3 +77,12 @@ def pack_linears(model: nn.Module) -> int:
         model.lm_head = TiedLogits(model.embed_tokens)
         count += 1
     return count
+
+
+def output_logits(
+    hidden: torch.Tensor, embedding: nn.Embedding, lm_head: nn.Module | None, softcap: float | None = None
+) -> torch.Tensor:
+    """[M, hidden] -> [M, vocab]: through `lm_head` (a Linear, or `TiedLogits` once packed), else the tied
+    embedding table; then tanh softcapping when the model has one (Gemma)."""
+    logits = F.linear(hidden, embedding.weight) if lm_head is None else lm_head(hidden)
+    return logits if softcap is None else logits.div_(softcap).tanh_().mul_(softcap)

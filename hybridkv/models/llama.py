@@ -15,7 +15,7 @@ from torch import nn
 from hybridkv.kv.model_kv import MODEL_READERS
 from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.fuse import FusedLinear
-from hybridkv.models.linear import Linear
+from hybridkv.models.linear import Linear, output_logits
 from hybridkv.models.norm import norm_constants, scaled_rms_norm
 from hybridkv.models.rope import Rotary, apply_rope, rope_parameters
 
@@ -150,7 +150,7 @@ class LlamaForCausalLM(CausalLM):
                 norm.prepare()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
+        return output_logits(hidden, self.embed_tokens, self.lm_head)
 
     def checkpoint_name(self, name: str) -> str | None:
         """Our state-dict name for a checkpoint tensor, or None to skip it."""
