@@ -56,6 +56,19 @@ def test_matches_dense_reference(decode, window, packed):
     assert (got.double() - reference(q, cache, tables, bases, positions, window, 0.3)).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize(
+    ("groups", "d"),
+    [(8, 48), (5, 256), (1, 16), (2, 24)],
+    ids=["two-head-blocks-short-tile", "head-block-tail-two-tiles", "one-query-head", "generic-path-d24"],
+)
+def test_head_shapes(decode, groups, d):
+    """The vector path's head blocks (4 query heads) and value tiles (64 lanes) with their tails, and the generic
+    path for a head size that is not a multiple of 16."""
+    q, cache, tables, bases, positions, window = case(groups * d, groups=groups, d=d)
+    got = decode(q, cache, tables, bases, positions, window, 0.3, None)
+    assert (got.double() - reference(q, cache, tables, bases, positions, window, 0.3)).abs().max() < 1e-5
+
+
 def test_bfloat16_and_sinks(decode):
     q, cache, tables, bases, positions, window = case(1, dtype=torch.bfloat16, d=128)
     want = reference(q, cache, tables, bases, positions, window, 0.1)

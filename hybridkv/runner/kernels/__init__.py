@@ -33,6 +33,14 @@ def _build_dir() -> Path:
     return root / "kernels" / f"torch{torch.__version__}-{cpu}"
 
 
+def _headers_digest(name: str) -> str:
+    """A digest of `<name>*.h`: the loader rebuilds when its sources or flags change, and headers reach it here."""
+    digest = hashlib.sha256()
+    for header in sorted(SOURCES.glob(f"{name}*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @functools.cache
 def _load(name: str) -> object | None:
     """The compiled module of `<name>.cpp`, or None (the build failed: logged once)."""
@@ -45,7 +53,7 @@ def _load(name: str) -> object | None:
         return load(
             f"hybridkv_{name}",
             [str(SOURCES / f"{name}.cpp")],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DHYBRIDKV_SOURCES={_headers_digest(name)}"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
         )

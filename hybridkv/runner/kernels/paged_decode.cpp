@@ -19,6 +19,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -107,6 +110,8 @@ void split_task(const T* q, const T* cache, const int64_t* table, int64_t base, 
   }
 }
 
+#include "paged_decode_avx512.h"
+
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
                            const torch::Tensor& bases, const torch::Tensor& positions, int64_t window, double scale,
                            const c10::optional<torch::Tensor>& sinks) {
@@ -148,9 +153,14 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& cache, c
         const int64_t r = split_req[s], j = s - first_split[r];
         const int64_t t0 = std::max(lo[r], (lo[r] / kSplit + j) * kSplit);
         const int64_t t1 = std::min(pos[r] + 1, (lo[r] / kSplit + j + 1) * kSplit);
-        split_task<scalar_t>(qp + r * hq * d, cp, tab + r * span, base[r], t0, t1, acc.data() + s * hq * d,
-                             m.data() + s * hq, l.data() + s * hq, hq, groups, d, bs, cache.stride(0),
-                             cache.stride(1), cache.stride(2), cache.stride(3), static_cast<float>(scale));
+        auto task = split_task<scalar_t>;
+#if defined(__AVX512F__)
+        if constexpr (!std::is_same_v<scalar_t, double>)
+          if (d % 16 == 0) task = split_task_avx512<scalar_t>;
+#endif
+        task(qp + r * hq * d, cp, tab + r * span, base[r], t0, t1, acc.data() + s * hq * d, m.data() + s * hq,
+             l.data() + s * hq, hq, groups, d, bs, cache.stride(0), cache.stride(1), cache.stride(2),
+             cache.stride(3), static_cast<float>(scale));
       }
     });
     // Merge each request's splits in order: out = sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) l_s [+ e^(sink - M)]).
