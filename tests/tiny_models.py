@@ -56,7 +56,7 @@ BUILDERS = {  # name -> config; keyword arguments override its fields (e.g. slid
     "gemma4": gemma4_config,
     "gemma4_k_eq_v": lambda **kw: gemma4_config(k_eq_v=True, **kw),
     "llama": lambda **kw: dense_config("LlamaConfig", rope_theta=10000.0, **kw),
-    "qwen3": lambda **kw: dense_config("Qwen3Config", head_dim=16, **kw),
+    "qwen3": lambda **kw: dense_config("Qwen3Config", **({"head_dim": 16} | kw)),
     "mistral_sliding": lambda **kw: dense_config("MistralConfig", **(dict(head_dim=16, sliding_window=16) | kw)),
 }
 

@@ -96,6 +96,7 @@ class Scheduler:
             self.kv.block_ids(req.request_id),
             sample=sample,
             keep_state=not last,
+            prompt=start + n <= req.num_prompt_tokens,
         )
 
     def schedule(self) -> SchedulerOutput:

@@ -6,13 +6,15 @@ A sliding-window group gathers only the blocks that the step's queries can see. 
 visible to the query at position p when j <= p, j < seq_len and, for a sliding window W, p - j < W.
 
 Decode runs on CPU read their keys in place (`kernels/paged_decode.cpp`) when the native kernel is built: no
-gather and no mask. Everything else (and every run where the kernel is off) gathers and calls SDPA. On CPU, a
-tiled full-attention run of a step that is not exact attends in two mask-free calls instead of masked tiles:
-its prefix [0, start) (visible to every query) and its own keys (causal), merged by their log-sum-exps.
+gather and no mask; so do the prefill runs of a step that is not exact, in bfloat16 on a CPU with AVX512-BF16
+(`kernels/paged_prefill.cpp`). Everything else gathers and calls SDPA. On CPU, a tiled full-attention run of a
+step that is not exact then attends in two mask-free calls instead of masked tiles: its prefix [0, start)
+(visible to every query) and its own keys (causal), merged by their log-sum-exps.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +52,7 @@ class RunKV:
     num_blocks: int
     tiles: list[Tile]
     in_place: tuple[int, int] | None = None  # slots: bases, positions
+    prefill: tuple[int, int, int] | None = None  # read in place by the prefill kernel; slots: bases, starts, offsets
     causal_split: bool = False  # a tiled full-attention run attended as prefix + causal self (no tiles)
 
 
@@ -79,10 +82,12 @@ class GroupMetadata:
         masks: dict[tuple, list[Tile]] | None = None,
         in_place_decode: bool = False,
         causal_split: bool = False,
+        in_place_prefill: bool = False,
     ) -> GroupMetadata:
         """`masks`: tiles built earlier in this step, shared by groups with the same window and spans.
         `in_place_decode`: decode runs will be read in place by the native kernel (they need no masks).
-        `causal_split`: tiled full-attention runs of a step that is not exact attend without masks (CPU)."""
+        `causal_split`: tiled full-attention runs of a step that is not exact attend without masks (CPU).
+        `in_place_prefill`: the prefill runs of a step that is not exact are read in place by the native kernel."""
         # Sliding groups read from block `first[b]` on: the block holding the first key any query can see.
         first = [0] * len(tables)
         if window is not None:
@@ -96,6 +101,12 @@ class GroupMetadata:
                 bases = step.pack.add([f * block_size for f in first[run.r0 : run.r1]])
                 in_place = (bases, step.pack.add(step.starts[run.r0 : run.r1]))
                 runs.append(RunKV(step.pack.add(gathered), span, [], in_place))
+                continue
+            if in_place_prefill and run.kind != DECODE and not step.exact:
+                bases = step.pack.add([f * block_size for f in first[run.r0 : run.r1]])
+                offsets = list(itertools.accumulate(step.lengths[run.r0 : run.r1], initial=0))
+                prefill = (bases, step.pack.add(step.starts[run.r0 : run.r1]), step.pack.add(offsets))
+                runs.append(RunKV(step.pack.add(gathered), span, [], prefill=prefill))
                 continue
             if causal_split and run.kind == TILED and window is None and not step.exact:
                 runs.append(RunKV(step.pack.add(gathered), span, [], causal_split=True))
@@ -193,9 +204,11 @@ class PagedAttention:
         step: StepIndex,
         workspace: Workspace | None = None,
         decode_kernel: DecodeKernel | None = None,
+        prefill_kernel: DecodeKernel | None = None,
     ) -> None:
         self.workspace = workspace or Workspace()
         self.decode_kernel = decode_kernel  # set iff the metadata was built with `in_place_decode`
+        self.prefill_kernel = prefill_kernel  # set iff the metadata was built with `in_place_prefill`
         self.views = views  # layer -> [num_blocks, block_size, 2, kv_heads, head_size]; consumers alias targets
         self.layer_group = layer_group
         self.metadata = metadata
@@ -219,6 +232,12 @@ class PagedAttention:
         for i, (run, r) in enumerate(zip(self.step.runs, meta.runs)):
             if r.in_place is not None:
                 outs.append(self._decode_in_place(cache, run, r, q[run.t0 : run.t1], scale, meta.window, sinks))
+                continue
+            if r.prefill is not None:
+                tables = self.step.pack[r.tables].view(run.num_reqs, r.num_blocks)
+                places = (self.step.pack[s] for s in r.prefill)  # bases, starts, offsets
+                qr = q[run.t0 : run.t1].contiguous()
+                outs.append(self.prefill_kernel(qr, cache, tables, *places, meta.window or 0, scale, sinks))
                 continue
             if i not in gathered:
                 gathered[i] = self._gather(cache, i, run, r)

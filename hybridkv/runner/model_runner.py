@@ -9,7 +9,7 @@ import torch
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
 from hybridkv.models.base import CausalLM, OutputRows
-from hybridkv.request.batch import SchedulerOutput
+from hybridkv.request.batch import ScheduledChunk, SchedulerOutput
 from hybridkv.runner import kernels
 from hybridkv.runner.attention import GroupMetadata, PagedAttention, Tile, Workspace
 from hybridkv.runner.states import PagedStates, check_state_shapes
@@ -35,6 +35,10 @@ class ModelRunner:
             v.dtype for v in self.memory.views.values()
         }
         self.decode_kernel = kernels.paged_decode() if device.type == "cpu" and len(dtypes) == 1 else None
+        # Prefill runs too, in bfloat16 with head sizes the kernel's vectors divide (and not in exact steps).
+        bf16 = self.decode_kernel is not None and dtypes == {torch.bfloat16}
+        heads_fit = all(v.shape[-1] % 32 == 0 for v in self.memory.views.values())
+        self.prefill_kernel = kernels.paged_prefill() if bf16 and heads_fit else None
 
     def _metadata(self, step: StepIndex, tables: list[list[list[int]]]) -> list[GroupMetadata | None]:
         """Per group id; None for a state page group, which no attention layer reads. `tables[r][g]`: request
@@ -50,6 +54,7 @@ class ModelRunner:
                 masks,
                 in_place_decode=self.decode_kernel is not None,
                 causal_split=self.device.type == "cpu",
+                in_place_prefill=self.prefill_kernel is not None,
             )
             if g.layers
             else None
@@ -59,11 +64,20 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, output: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
         """Run every scheduled chunk; return the ids of requests to sample and their logits [M, vocab]."""
+
         # Decodes first, then short chunks, then long ones: each kind forms one run (see `step_index`).
-        chunks = sorted(output.chunks, key=lambda c: run_kind(len(c.token_ids), self.query_tile, self.exact))
+        # With the prefill kernel, a one-token prompt chunk attends as a prefill (the same bits as unchunked).
+        def decode(c: ScheduledChunk) -> bool:
+            return self.prefill_kernel is None or not c.prompt
+
+        def kind(c: ScheduledChunk) -> int:
+            return run_kind(len(c.token_ids), self.query_tile, self.exact, decode(c))
+
+        chunks = sorted(output.chunks, key=kind)
         pack = IndexPack()
         lengths = [len(c.token_ids) for c in chunks]
-        step = StepIndex([c.start for c in chunks], lengths, pack, self.query_tile, self.exact)
+        decodes = [decode(c) for c in chunks]
+        step = StepIndex([c.start for c in chunks], lengths, pack, self.query_tile, self.exact, decodes)
         ids_slot, positions_slot = pack.add([t for c in chunks for t in c.token_ids]), pack.add(step.positions)
         ends = list(itertools.accumulate(step.lengths))
         sampled = [i for i, c in enumerate(chunks) if c.sample]
@@ -77,7 +91,8 @@ class ModelRunner:
             out_step = StepIndex([step.positions[ends[i] - 1] for i in sampled], [1] * len(sampled), pack)
             out_metadata = self._metadata(out_step, [chunks[i].block_tables for i in sampled])
         pack.upload(self.device)
-        attn = PagedAttention(self.memory.views, self.layer_group, metadata, step, self.workspace, self.decode_kernel)
+        kernels_ = {"decode_kernel": self.decode_kernel, "prefill_kernel": self.prefill_kernel}
+        attn = PagedAttention(self.memory.views, self.layer_group, metadata, step, self.workspace, **kernels_)
         states = None
         if self.plan.state is not None:
             spans = list(itertools.pairwise([0, *ends]))
@@ -86,8 +101,8 @@ class ModelRunner:
         if narrow:
             out_attn = attn
             if not same:
-                views, kernel = self.memory.views, self.decode_kernel
-                out_attn = PagedAttention(views, self.layer_group, out_metadata, out_step, self.out_workspace, kernel)
+                views, ws = self.memory.views, self.out_workspace
+                out_attn = PagedAttention(views, self.layer_group, out_metadata, out_step, ws, **kernels_)
             hidden = self.model(ids, positions, attn, states, OutputRows(rows, out_attn))
         else:
             hidden = self.model(ids, positions, attn, states)[rows]

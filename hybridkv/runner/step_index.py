@@ -45,8 +45,11 @@ class IndexPack:
         return self._views[i]
 
 
-def run_kind(num_queries: int, tile: int = QUERY_TILE, exact: bool = False) -> int:
-    if num_queries == 1:
+def run_kind(num_queries: int, tile: int = QUERY_TILE, exact: bool = False, decode: bool = True) -> int:
+    """`decode` false: a one-query chunk that is not a decode (a prompt's last token after a prefix hit or a
+    chunk boundary) joins the prefill runs, so that a prompt's bits do not depend on its chunking where the
+    prefill and decode kernels differ in arithmetic."""
+    if num_queries == 1 and decode:
         return DECODE
     return TILED if exact or num_queries > tile else PADDED
 
@@ -78,6 +81,7 @@ class StepIndex:
     pack: IndexPack
     tile: int = QUERY_TILE
     exact: bool = False
+    decodes: list[bool] | None = None  # per request, whether a one-query chunk is a decode (None: all are)
     rows: list[int] = field(init=False)
     positions: list[int] = field(init=False)
     runs: list[Run] = field(init=False)
@@ -88,7 +92,7 @@ class StepIndex:
         self.runs = []
         t = 0
         for r, n in enumerate(self.lengths):
-            kind = run_kind(n, self.tile, self.exact)
+            kind = run_kind(n, self.tile, self.exact, self.decodes is None or self.decodes[r])
             last = self.runs[-1] if self.runs else None
             if last is not None and kind != TILED and last.kind == kind:
                 last.r1, last.t1, last.max_q = r + 1, t + n, max(last.max_q, n)

@@ -67,3 +67,10 @@ def paged_decode() -> Callable[..., torch.Tensor] | None:
     """`paged_decode(q, cache, tables, bases, positions, window, scale, sinks)`; see `paged_decode.cpp`."""
     module = _load("paged_decode") if native_enabled() else None
     return None if module is None else module.paged_decode
+
+
+def paged_prefill() -> Callable[..., torch.Tensor] | None:
+    """`paged_prefill(q, cache, tables, bases, starts, offsets, window, scale, sinks)`, bfloat16; see
+    `paged_prefill.cpp`. None where the kernels are off or this CPU has no AVX512-BF16."""
+    module = _load("paged_prefill") if native_enabled() else None
+    return None if module is None or not module.supported else module.paged_prefill
