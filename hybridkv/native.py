@@ -1,13 +1,26 @@
 """One switch for the native fast paths: `HYBRIDKV_KERNELS=native` (the default) lets models pack their linear
-weights for oneDNN (`models/linear.py`) and the runner use its compiled kernels (`runner/kernels`);
-`HYBRIDKV_KERNELS=torch` runs plain torch everywhere (the reference the fast paths are tested against)."""
+weights for oneDNN (`models/linear.py`) and use fused elementwise kernels (`models/kernels`), and the runner use
+its compiled attention kernels (`runner/kernels`); `HYBRIDKV_KERNELS=torch` runs plain torch everywhere (the
+reference the fast paths are tested against).
+
+`load_kernel` compiles a kernel on first use with torch's C++ extension loader (g++ and ninja). The build lands in
+`$HYBRIDKV_CACHE_DIR/kernels/<torch>-<cpu>` (default `~/.cache/hybridkv`), keyed by the torch version and this
+CPU's instruction-set flags, since it is compiled with `-march=native`; a machine that cannot build one logs why,
+once, and its caller falls back to plain torch."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
+import logging
 import os
+from pathlib import Path
 
 KERNELS_ENV = "HYBRIDKV_KERNELS"
 MODES = ("native", "torch")
+
+log = logging.getLogger(__name__)
 
 
 def native_enabled() -> bool:
@@ -15,3 +28,51 @@ def native_enabled() -> bool:
     if mode not in MODES:
         raise ValueError(f"{KERNELS_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
     return mode == "native"
+
+
+def _build_dir() -> Path:
+    import torch
+
+    flags = ""
+    with contextlib.suppress(OSError, StopIteration):
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    cpu = hashlib.sha256(flags.encode()).hexdigest()[:12]
+    root = Path(os.environ.get("HYBRIDKV_CACHE_DIR", Path.home() / ".cache" / "hybridkv"))
+    return root / "kernels" / f"torch{torch.__version__}-{cpu}"
+
+
+def _headers_digest(source: Path) -> str:
+    """A digest of `<name>*.h` beside `source`: the loader rebuilds when its sources or flags change, and headers
+    reach it here."""
+    digest = hashlib.sha256()
+    for header in sorted(source.parent.glob(f"{source.stem}*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def load_kernel(source: Path) -> object | None:
+    """The compiled module of the C++ file `source` (named `hybridkv_<stem>`), or None: the kernels are off
+    (`HYBRIDKV_KERNELS=torch`) or the build failed (logged once)."""
+    return _build(source) if native_enabled() else None
+
+
+@functools.cache
+def _build(source: Path) -> object | None:
+    from torch.utils.cpp_extension import load
+
+    build = _build_dir()
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+        log.info("loading native kernel %s (compiled once per machine into %s, about a minute)", source.stem, build)
+        return load(
+            f"hybridkv_{source.stem}",
+            [str(source)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DHYBRIDKV_SOURCES={_headers_digest(source)}"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+        )
+    except Exception as e:  # no compiler, no ninja, a read-only home: the torch path still works
+        why = str(e).splitlines()[0][:200] if str(e) else ""
+        log.warning("native kernel %s unavailable, using the torch path (%s: %s); set %s=torch to skip the build",
+                    source.stem, type(e).__name__, why, KERNELS_ENV)  # fmt: skip
+        return None

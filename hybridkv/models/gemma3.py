@@ -52,7 +52,7 @@ class RMSNorm(norm.RMSNorm):
         self.constants = norm.norm_constants(self.dim, self.eps, 1.0 + self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.constants is not None:
+        if self.constants is not None and self.kernel is None:
             return norm.scaled_rms_norm(x, *self.constants)
         return super().forward(x)
 

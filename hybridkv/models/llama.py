@@ -5,7 +5,7 @@ Module names mirror transformers' (`layers.3.self_attn.q_proj`, ...) so a checkp
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from torch import nn
 from hybridkv.kv.model_kv import MODEL_READERS
 from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.fuse import FusedLinear
+from hybridkv.models.fused import ACT_CODES, norm_kernel
 from hybridkv.models.linear import Linear, output_logits
 from hybridkv.models.norm import norm_constants, scaled_rms_norm
 from hybridkv.models.rope import Rotary, apply_rope, rope_parameters
@@ -28,11 +29,17 @@ class RMSNorm(nn.Module):
         self.dim, self.eps = dim, eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.constants: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 only: set by `prepare`
+        self.kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by `use_fused_ops`
 
     def prepare(self) -> None:
         self.constants = norm_constants(self.dim, self.eps, self.weight.detach())
 
+    def use_fused_ops(self, ops: object) -> None:
+        self.kernel = norm_kernel(ops, self.weight, self.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
         if self.constants is not None:
             return scaled_rms_norm(x, *self.constants)
         xf = x.float()
@@ -76,8 +83,17 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.gate_up: FusedLinear | None = None
+        self.act_name = act
+        self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by `use_fused_ops`
+
+    def use_fused_ops(self, ops: object) -> None:
+        if self.gate_up is not None and self.act_name in ACT_CODES:
+            code = ACT_CODES[self.act_name]
+            self.act_and_mul = lambda gate_up: ops.act_and_mul(gate_up, code)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_and_mul is not None:
+            return self.down_proj(self.act_and_mul(self.gate_up.fused(x)))
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
         return self.down_proj(self.act(gate) * up)
 

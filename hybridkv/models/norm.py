@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybridkv.models.fused import norm_kernel
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -38,8 +42,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
+        self.kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by `use_fused_ops` (dense models)
+
+    def use_fused_ops(self, ops: object) -> None:
+        self.kernel = norm_kernel(ops, self.offset + self.weight.detach().float(), self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         scale = self.weight.float() if self.offset == 0.0 else self.offset + self.weight.float()

@@ -11,6 +11,7 @@ import torch
 
 from hybridkv.kv.model_kv import load_hf_config
 from hybridkv.models.base import CausalLM, bind_attributes
+from hybridkv.models.fused import use_fused_ops
 from hybridkv.models.linear import pack_linears, packing_available
 from hybridkv.models.loader import load_weights, resolve_dtype
 
@@ -59,5 +60,6 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16", device: 
     model.fuse_projections()
     if model.packable and packing_available(torch.device(device), resolve_dtype(dtype)):
         pack_linears(model)
+        use_fused_ops(model)
     bind_attributes(model)
     return model

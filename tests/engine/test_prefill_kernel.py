@@ -58,5 +58,5 @@ def test_agrees_with_the_torch_path(checkpoint, monkeypatch):
     (got_tokens, got), (want_tokens, want) = run(native), run(plain)
     assert calls
     for g, w in zip(got, want):  # the first token's logprob: bfloat16 rounding, before greedy paths can part
-        assert abs(g[0] - w[0]) < 0.05
+        assert abs(g[0] - w[0]) < 0.1
     assert sum(a[:4] == b[:4] for a, b in zip(got_tokens, want_tokens)) >= 3

@@ -116,12 +116,20 @@ class EagerPrecisionAttention(ReferenceAttention):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("which", ["llama", "gemma"])
-def test_half_precision_is_bit_exact_with_transformers_eager(request, which, dtype):
+def test_half_precision_is_bit_exact_with_transformers_eager(request, which, dtype, monkeypatch):
+    """The plain-torch model (HYBRIDKV_KERNELS=torch) rounds where transformers does: the same bits. The fused
+    norm and activation kernels of the native path round once instead, so there only bf16 rounding apart."""
     _, path = request.getfixturevalue(which)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
-    model = load_model(path, dtype=dtype)
-    assert {p.dtype for p in model.parameters()} == {dtype}
     ids = prompt(40)
-    with torch.no_grad():
-        ours = model.compute_logits(model(ids, torch.arange(len(ids)), EagerPrecisionAttention.for_model(model)))
-    assert torch.equal(ours, hf_logits(hf, ids))
+    want = hf_logits(hf, ids)
+    for mode in ("torch", "native"):
+        monkeypatch.setenv("HYBRIDKV_KERNELS", mode)
+        model = load_model(path, dtype=dtype)
+        assert {p.dtype for p in model.parameters() if p.device.type != "meta"} == {dtype}
+        with torch.no_grad():
+            ours = model.compute_logits(model(ids, torch.arange(len(ids)), EagerPrecisionAttention.for_model(model)))
+        if mode == "torch":
+            assert torch.equal(ours, want)
+        else:
+            assert (ours.float() - want.float()).abs().max() < 0.05 * want.float().abs().max()

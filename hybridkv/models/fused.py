@@ -1,0 +1,39 @@
+"""Fused elementwise kernels for packable (dense) models on CPU: `act(gate) * up` over a fused gate/up output and
+RMSNorm in one pass each (`models/kernels/fused_ops.cpp`, built on first use by `hybridkv.native.load_kernel`).
+Modules opt in with a `use_fused_ops(ops)` method, which `use_fused_ops` calls once after the weights are packed;
+without the kernel (HYBRIDKV_KERNELS=torch, no compiler) they keep their plain-torch forward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hybridkv.native import load_kernel
+
+SOURCE = Path(__file__).parent / "kernels" / "fused_ops.cpp"
+ACT_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}  # the kernel's activations, by their Hugging Face names
+
+
+def fused_ops() -> object | None:
+    """The compiled module (`act_and_mul`, `rms_norm`), or None."""
+    return load_kernel(SOURCE)
+
+
+def use_fused_ops(model: nn.Module) -> int:
+    """Hand the kernel to every module of `model` that opts in; the number that did."""
+    ops = fused_ops()
+    if ops is None:
+        return 0
+    hooks = [m.use_fused_ops for m in model.modules() if hasattr(m, "use_fused_ops")]
+    for hook in hooks:
+        hook(ops)
+    return len(hooks)
+
+
+def norm_kernel(ops: object, weight: torch.Tensor, eps: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x / rms(x) * weight per row (float32 inside), for a norm whose full scale is `weight`."""
+    scale = weight.detach().float().contiguous()
+    return lambda x: ops.rms_norm(x, scale, eps)

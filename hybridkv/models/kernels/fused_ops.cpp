@@ -1,0 +1,152 @@
+// Fused elementwise kernels for the models' hot path, one pass over memory each, float32 inside, one rounding
+// to the tensor's dtype at the end (plain torch rounds after every op in bfloat16):
+//   act_and_mul(x [n, 2I]) -> [n, I]: act(x[:, :I]) * x[:, I:], act = silu or GELU (tanh approximation);
+//   rms_norm(x [n, d] or [n, h, d], w [d] float32, eps) -> x / sqrt(mean(x^2) + eps) * w per row of d (w holds
+//   any 1 + offset), contiguous out; x's rows may be strided (q and k heads viewed out of a fused projection).
+// Rows are independent: a row's bits do not depend on the rows beside it or on the thread count.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Act : int64_t { kSilu = 0, kGeluTanh = 1 };
+
+inline float act_scalar(float g, int64_t act) {
+  if (act == kSilu) return g / (1.f + std::exp(-g));
+  const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  return g / (1.f + std::exp(-2.f * u));
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {  // round to nearest even, NaN kept quiet
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// e^x for any x: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 Taylor (< 2 ulp); clamped to [-104, 88].
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 act16(__m512 g, int64_t act) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  if (act == kSilu) return _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  // 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)): no cancellation where tanh(u) nears -1
+  const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
+  return _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_mul_ps(_mm512_set1_ps(-2.f), u))));
+}
+#endif
+
+template <typename T>
+void act_and_mul_rows(const T* x, T* out, int64_t r0, int64_t r1, int64_t inter, int64_t act) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* g = x + r * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + r * inter;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= inter; i += 16) store16(o + i, _mm512_mul_ps(act16(load16(g + i), act), load16(u + i)));
+#endif
+    for (; i < inter; ++i) o[i] = static_cast<T>(act_scalar(static_cast<float>(g[i]), act) * static_cast<float>(u[i]));
+  }
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, const float* w, T* out, int64_t r0, int64_t r1, int64_t d, float eps, int64_t heads,
+                   int64_t s0, int64_t s1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + (r / heads) * s0 + (r % heads) * s1;
+    T* o = out + r * d;
+    float ss = 0.f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= d; i += 16) {
+      const __m512 v = load16(xr + i);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    ss = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < d; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+    i = 0;
+#if defined(__AVX512F__)
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (; i + 16 <= d; i += 16) store16(o + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), vinv), _mm512_loadu_ps(w + i)));
+#endif
+    for (; i < d; ++i) o[i] = static_cast<T>(static_cast<float>(xr[i]) * inv * w[i]);
+  }
+}
+
+void check_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() >= 1, "x must be contiguous");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+}
+
+torch::Tensor act_and_mul(const torch::Tensor& x, int64_t act) {
+  check_rows(x);
+  TORCH_CHECK(act == kSilu || act == kGeluTanh, "act: 0 silu, 1 gelu_tanh");
+  TORCH_CHECK(x.size(-1) % 2 == 0, "x's last dim must be gate and up side by side");
+  const int64_t inter = x.size(-1) / 2, rows = x.numel() / x.size(-1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = inter;
+  auto out = torch::empty(sizes, x.options());
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    if (x.scalar_type() == at::kBFloat16)
+      act_and_mul_rows(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), r0, r1, inter, act);
+    else
+      act_and_mul_rows(x.data_ptr<float>(), out.data_ptr<float>(), r0, r1, inter, act);
+  });
+  return out;
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1, "x must be [n, d] or [n, h, d], d contiguous");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  const int64_t d = x.size(-1), heads = x.dim() == 3 ? x.size(1) : 1, rows = x.numel() / std::max<int64_t>(d, 1);
+  const int64_t s0 = x.stride(0), s1 = x.dim() == 3 ? x.stride(1) : d;
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == d,
+              "weight must be float32 [d]");
+  auto out = torch::empty(x.sizes(), x.options());
+  const float* w = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    if (x.scalar_type() == at::kBFloat16)
+      rms_norm_rows(x.data_ptr<c10::BFloat16>(), w, out.data_ptr<c10::BFloat16>(), r0, r1, d, e, heads, s0, s1);
+    else
+      rms_norm_rows(x.data_ptr<float>(), w, out.data_ptr<float>(), r0, r1, d, e, heads, s0, s1);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("act_and_mul", &act_and_mul, "act(gate) * up over [n, 2I] -> [n, I] (0 silu, 1 gelu_tanh)");
+  m.def("rms_norm", &rms_norm, "x / rms(x) * weight per row, float32 inside");
+}

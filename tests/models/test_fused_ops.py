@@ -1,0 +1,62 @@
+"""The fused elementwise kernels (`models/kernels/fused_ops.cpp`) against plain torch: act(gate) * up for silu
+and tanh-GELU, RMSNorm over plain and strided (q/k heads out of a fused projection) rows; a row's bits do not
+depend on the rows beside it; unsupported inputs are refused."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridkv.models.fused import ACT_CODES, fused_ops
+
+ACTS = {"silu": F.silu, "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = fused_ops()
+    assert module is not None, "the fused ops kernel did not build (see the log)"
+    return module
+
+
+@pytest.mark.parametrize("act", list(ACT_CODES))
+@pytest.mark.parametrize("width", [200, 2048, 7], ids=["tail", "vectors", "scalar-only"])
+def test_act_and_mul(ops, act, width):
+    x = torch.randn(37, 2 * width, generator=torch.Generator().manual_seed(width)) * 4
+    gate, up = x.double().split(width, -1)
+    want = ACTS[act](gate) * up
+    assert (ops.act_and_mul(x, ACT_CODES[act]).double() - want).abs().max() < 2e-5
+    got16 = ops.act_and_mul(x.bfloat16(), ACT_CODES[act]).double()
+    g16, u16 = x.bfloat16().double().split(width, -1)
+    assert ((got16 - ACTS[act](g16) * u16).abs() <= (ACTS[act](g16) * u16).abs() * 2**-8 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_plain_and_strided_rows(ops, dtype):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, generator=g)
+    fused = torch.randn(9, 3 * 96 + 40, generator=g).to(dtype)
+    heads = fused[:, 40:].view(9, 3, 96)  # strided: row stride 328, head stride 96
+    padded = torch.randn(9, 3, 128, generator=g).to(dtype)[:, :, :96]  # head stride 128
+    for x in (fused[:, :96], heads, padded, fused[:, 40:136].contiguous()):
+        xf = x.double()
+        want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+        got = ops.rms_norm(x, w, 1e-6)
+        assert got.shape == x.shape and got.is_contiguous() and got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2**-7
+        assert ((got.double() - want).abs() <= tol * (want.abs() + 1)).all()
+
+
+def test_rows_do_not_depend_on_their_neighbours(ops):
+    x = torch.randn(64, 2 * 300).bfloat16()
+    assert torch.equal(ops.act_and_mul(x[5:6], 1), ops.act_and_mul(x, 1)[5:6])
+    w = torch.randn(600)
+    assert torch.equal(ops.rms_norm(x[5:6], w, 1e-6), ops.rms_norm(x, w, 1e-6)[5:6])
+
+
+def test_refuses_what_it_does_not_handle(ops):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.act_and_mul(torch.randn(2, 8).half(), 0)
+    with pytest.raises(RuntimeError, match="act"):
+        ops.act_and_mul(torch.randn(2, 8), 5)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
