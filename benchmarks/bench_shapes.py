@@ -71,6 +71,11 @@ def build(shape: str, folder: Path, max_len: int) -> Path:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.05 / cfg.hidden_size**0.5 if "embed" in name else 0.04)
+            elif shape == "gemma4-e2b" and name.endswith(("q_norm.weight", "k_norm.weight")):
+                # Gemma 4 attends with scale 1 on normed q and k: at weight 1 the scores' std is sqrt(head_dim)
+                # (16-23) and softmax picks one key, so float32 rounding flips which one (and greedy tokens).
+                # head_dim^-1/4 on each brings the scores to std ~1.
+                p.fill_(p.numel() ** -0.25)
     model.to(torch.bfloat16).save_pretrained(folder)
     return folder
 
@@ -141,8 +146,9 @@ def report(shape: str, dtype: str, res: dict, contexts: list[int]) -> None:
     for c in contexts:
         rows.append((f"TTFT {c} (s)", lambda b, c=c: b[f"ttft {c}"], False))
         rows.append((f"ITL {c} (ms)", lambda b, c=c: 1e3 * b[f"itl {c}"], False))
-    head = f"{'':<16}" + "".join(f"{e:>14}" for e in engines)
-    head += "".join(f"{'hkv/' + e[:6]:>14}" for e in engines[1:])
+    short = {"hybridkv-plain": "plain", "transformers": "transf"}  # headers fit the 14-wide columns
+    head = f"{'':<16}" + "".join(f"{short.get(e, e):>14}" for e in engines)
+    head += "".join(f"{'hkv/' + short.get(e, e):>14}" for e in engines[1:])
     print(f"\n## {shape} {dtype}\n{head}")
     for label, fn, higher in rows:
         vals = [fn(best[e]) for e in engines]

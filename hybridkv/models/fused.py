@@ -33,7 +33,16 @@ def use_fused_ops(model: nn.Module) -> int:
     return len(hooks)
 
 
-def norm_kernel(ops: object, weight: torch.Tensor, eps: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> x / rms(x) * weight per row (float32 inside), for a norm whose full scale is `weight`."""
+def norm_kernel(
+    ops: object, weight: torch.Tensor, eps: float, fallback: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x / rms(x) * weight per row (float32 inside), for a norm whose full scale is `weight`; inputs the
+    kernel does not take (not [n, d] / [n, h, d] with d contiguous, other dtypes) go to `fallback`."""
     scale = weight.detach().float().contiguous()
-    return lambda x: ops.rms_norm(x, scale, eps)
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() in (2, 3) and x.stride(-1) == 1 and x.dtype in (torch.float32, torch.bfloat16):
+            return ops.rms_norm(x, scale, eps)
+        return fallback(x)
+
+    return norm

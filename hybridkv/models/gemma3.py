@@ -51,10 +51,10 @@ class RMSNorm(norm.RMSNorm):
     def prepare(self) -> None:
         self.constants = norm.norm_constants(self.dim, self.eps, 1.0 + self.weight.detach())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.constants is not None and self.kernel is None:
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        if self.constants is not None:
             return norm.scaled_rms_norm(x, *self.constants)
-        return super().forward(x)
+        return super().plain(x)
 
 
 class Attention(LlamaAttention):

@@ -10,7 +10,7 @@ target stored (the map comes from `hybridkv.kv.model_kv`). Module names mirror t
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -20,8 +20,10 @@ from torch import nn
 from hybridkv.kv.model_kv import MODEL_READERS, LayerAttn
 from hybridkv.models.base import AttentionFn, CausalLM, OutputRows, RecurrentStates
 from hybridkv.models.fuse import FusedLinear
+from hybridkv.models.fused import norm_kernel
 from hybridkv.models.linear import Linear, output_logits
 from hybridkv.models.llama import ACTIVATIONS
+from hybridkv.models.llama import MLP as LlamaMLP
 from hybridkv.models.norm import norm_constants, rms_norm, scaled_rms_norm
 from hybridkv.models.rope import RopeTables, Rotary, apply_rope
 
@@ -58,12 +60,20 @@ class RMSNorm(nn.Module):
         self.dim, self.eps = dim, eps
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
         self.constants: tuple[torch.Tensor, torch.Tensor] | None = None  # set by `prepare`, once weights are final
+        self.kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by `use_fused_ops`
 
     def prepare(self) -> None:
         if self.weight is not None:
             self.constants = norm_constants(self.dim, self.eps, self.weight.detach())
 
+    def use_fused_ops(self, ops: object) -> None:
+        weight = torch.ones(self.dim) if self.weight is None else self.weight
+        self.kernel = norm_kernel(ops, weight, self.eps, self.plain)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.plain(x) if self.kernel is None else self.kernel(x)
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
         if self.constants is not None:
             return scaled_rms_norm(x, *self.constants)
         return rms_norm(x, self.weight, self.eps)
@@ -129,21 +139,14 @@ class Attention(nn.Module):
         return torch.cat(scales)
 
 
-class MLP(nn.Module):
+class MLP(LlamaMLP):
+    """Llama's gated MLP without biases (fused act(gate) * up once `use_fused_ops` ran)."""
+
     def __init__(self, hidden: int, intermediate: int, act: str) -> None:
-        super().__init__()
-        self.act = ACTIVATIONS[act]
-        self.gate_proj = Linear(hidden, intermediate, bias=False)
-        self.up_proj = Linear(hidden, intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
-        self.gate_up: FusedLinear | None = None
+        super().__init__(hidden, intermediate, act, bias=False)
 
     def fuse(self) -> None:
         self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj.forward(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -35,11 +35,12 @@ class RMSNorm(nn.Module):
         self.constants = norm_constants(self.dim, self.eps, self.weight.detach())
 
     def use_fused_ops(self, ops: object) -> None:
-        self.kernel = norm_kernel(ops, self.weight, self.eps)
+        self.kernel = norm_kernel(ops, self.weight, self.eps, self.plain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(x)
+        return self.plain(x) if self.kernel is None else self.kernel(x)
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
         if self.constants is not None:
             return scaled_rms_norm(x, *self.constants)
         xf = x.float()

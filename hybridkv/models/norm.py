@@ -45,11 +45,12 @@ class RMSNorm(nn.Module):
         self.kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by `use_fused_ops` (dense models)
 
     def use_fused_ops(self, ops: object) -> None:
-        self.kernel = norm_kernel(ops, self.offset + self.weight.detach().float(), self.eps)
+        self.kernel = norm_kernel(ops, self.offset + self.weight.detach().float(), self.eps, self.plain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(x)
+        return self.plain(x) if self.kernel is None else self.kernel(x)
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         scale = self.weight.float() if self.offset == 0.0 else self.offset + self.weight.float()

@@ -118,7 +118,8 @@ class EagerPrecisionAttention(ReferenceAttention):
 @pytest.mark.parametrize("which", ["llama", "gemma"])
 def test_half_precision_is_bit_exact_with_transformers_eager(request, which, dtype, monkeypatch):
     """The plain-torch model (HYBRIDKV_KERNELS=torch) rounds where transformers does: the same bits. The fused
-    norm and activation kernels of the native path round once instead, so there only bf16 rounding apart."""
+    norm and activation kernels of the native path round once instead: there the logits' distance to float32
+    transformers is at most 1.5x that of half-precision transformers (its own rounding)."""
     _, path = request.getfixturevalue(which)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     ids = prompt(40)
@@ -132,4 +133,9 @@ def test_half_precision_is_bit_exact_with_transformers_eager(request, which, dty
         if mode == "torch":
             assert torch.equal(ours, want)
         else:
-            assert (ours.float() - want.float()).abs().max() < 0.05 * want.float().abs().max()
+            exact = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), ids)
+
+            def rms(x):
+                return x.float().pow(2).mean().sqrt()
+
+            assert rms(ours.float() - exact) <= 1.5 * rms(want.float() - exact)
