@@ -41,11 +41,11 @@ def _build_dir() -> Path:
     return root / "kernels" / f"torch{torch.__version__}-{cpu}"
 
 
-def _headers_digest(source: Path) -> str:
-    """A digest of `<name>*.h` beside `source`: the loader rebuilds when its sources or flags change, and headers
-    reach it here."""
+def _headers_digest() -> str:
+    """A digest of every kernel header (`hybridkv/*/kernels/*.h`): the loader rebuilds when a kernel's source or
+    flags change, and headers reach it here."""
     digest = hashlib.sha256()
-    for header in sorted(source.parent.glob(f"{source.stem}*.h")):
+    for header in sorted(Path(__file__).parent.glob("*/kernels/*.h")):
         digest.update(header.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -67,7 +67,7 @@ def _build(source: Path) -> object | None:
         return load(
             f"hybridkv_{source.stem}",
             [str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DHYBRIDKV_SOURCES={_headers_digest(source)}"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DHYBRIDKV_SOURCES={_headers_digest()}"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
         )

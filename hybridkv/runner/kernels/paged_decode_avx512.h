@@ -2,36 +2,11 @@
 #pragma once
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
+#include "../../models/kernels/simd.h"
 
 // AVX-512 path (head size a multiple of 16): per KV head and block of up to 4 of its query heads, the split's
 // scores are computed into a buffer (two keys at a time for independent FMA chains), soft-maxed in one pass,
 // then values are accumulated in registers over tiles of 64 lanes. Same split and merge as the generic path.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// e^x for x <= 0 (scores minus their max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 Taylor (< 2 ulp).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 constexpr int64_t kHeadBlock = 4;  // query heads of one KV head handled together (register budget)
 constexpr int64_t kTile = 4;       // 16-lane vectors of the output per value pass
@@ -61,6 +36,44 @@ inline std::pair<float, float> softmax_inplace(float* s, int64_t n) {
   return {mx, _mm512_reduce_add_ps(vs)};
 }
 
+#if defined(__AVX512BF16__)
+// Scores of keys [0, n) (rows[t] + off) for gb query heads at qh (unscaled bfloat16, d a multiple of 32) by
+// bfloat16 pair dot products (vdpbf16ps: products exact, sums in float32), two keys at a time; scaled after.
+inline void scores_bf16(const c10::BFloat16* qh, const c10::BFloat16* const* rows, int64_t off, int64_t n,
+                        int64_t gb, int64_t d, float scale, float* scores) {
+  const int64_t vecs = d / 32, slice = d * 2;
+  for (int64_t u = 0; u < std::min(kAhead, n); ++u) prefetch(rows[u] + off, slice);
+  auto load = [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  int64_t t = 0;
+  for (; t + 2 <= n; t += 2) {
+    if (t + kAhead < n) prefetch(rows[t + kAhead] + off, slice);
+    if (t + kAhead + 1 < n) prefetch(rows[t + kAhead + 1] + off, slice);
+    const c10::BFloat16* k0 = rows[t] + off;
+    const c10::BFloat16* k1 = rows[t + 1] + off;
+    __m512 a0[kHeadBlock], a1[kHeadBlock];
+    for (int64_t g = 0; g < kHeadBlock; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < vecs; ++c) {
+      const __m512bh x0 = load(k0 + c * 32), x1 = load(k1 + c * 32);
+      for (int64_t g = 0; g < gb; ++g) {
+        const __m512bh qv = load(qh + g * d + c * 32);
+        a0[g] = _mm512_dpbf16_ps(a0[g], qv, x0);
+        a1[g] = _mm512_dpbf16_ps(a1[g], qv, x1);
+      }
+    }
+    for (int64_t g = 0; g < gb; ++g) {
+      scores[g * n + t] = _mm512_reduce_add_ps(a0[g]) * scale;
+      scores[g * n + t + 1] = _mm512_reduce_add_ps(a1[g]) * scale;
+    }
+  }
+  for (; t < n; ++t)
+    for (int64_t g = 0; g < gb; ++g) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t c = 0; c < vecs; ++c) a = _mm512_dpbf16_ps(a, load(qh + g * d + c * 32), load(rows[t] + off + c * 32));
+      scores[g * n + t] = _mm512_reduce_add_ps(a) * scale;
+    }
+}
+#endif
+
 template <typename T>
 void split_task_avx512(const T* q, const T* cache, const int64_t* table, int64_t base, int64_t t0, int64_t t1,
                        float* acc, float* m, float* l, int64_t hq, int64_t groups, int64_t d, int64_t bs,
@@ -79,36 +92,47 @@ void split_task_avx512(const T* q, const T* cache, const int64_t* table, int64_t
       const int64_t gb = std::min(kHeadBlock, groups - g0), head0 = h * groups + g0;
       const float* qh = qf.data() + head0 * d;
       // scores[g * n + t] = q_(head0 + g) . k_t
-      int64_t t = 0;
-      const int64_t slice = d * static_cast<int64_t>(sizeof(T));
-      for (int64_t u = 0; u < std::min(kAhead, n); ++u) prefetch(rows[u] + h * s_head, slice);
-      for (; t + 2 <= n; t += 2) {
-        if (t + kAhead < n) prefetch(rows[t + kAhead] + h * s_head, slice);
-        if (t + kAhead + 1 < n) prefetch(rows[t + kAhead + 1] + h * s_head, slice);
-        const T* k0 = rows[t] + h * s_head;
-        const T* k1 = rows[t + 1] + h * s_head;
-        __m512 a0[kHeadBlock], a1[kHeadBlock];
-        for (int64_t g = 0; g < kHeadBlock; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < vecs; ++c) {
-          const __m512 x0 = load16(k0 + c * 16), x1 = load16(k1 + c * 16);
-          for (int64_t g = 0; g < gb; ++g) {
-            const __m512 qv = _mm512_loadu_ps(qh + g * d + c * 16);
-            a0[g] = _mm512_fmadd_ps(qv, x0, a0[g]);
-            a1[g] = _mm512_fmadd_ps(qv, x1, a1[g]);
-          }
-        }
-        for (int64_t g = 0; g < gb; ++g) {
-          scores[g * n + t] = _mm512_reduce_add_ps(a0[g]);
-          scores[g * n + t + 1] = _mm512_reduce_add_ps(a1[g]);
+      bool scored = false;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (d % 32 == 0) {
+          scores_bf16(q + head0 * d, rows.data(), h * s_head, n, gb, d, scale, scores.data());
+          scored = true;
         }
       }
-      for (; t < n; ++t) {
-        const T* k0 = rows[t] + h * s_head;
-        for (int64_t g = 0; g < gb; ++g) {
-          __m512 a = _mm512_setzero_ps();
-          for (int64_t c = 0; c < vecs; ++c)
-            a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * d + c * 16), load16(k0 + c * 16), a);
-          scores[g * n + t] = _mm512_reduce_add_ps(a);
+#endif
+      if (!scored) {
+        int64_t t = 0;
+        const int64_t slice = d * static_cast<int64_t>(sizeof(T));
+        for (int64_t u = 0; u < std::min(kAhead, n); ++u) prefetch(rows[u] + h * s_head, slice);
+        for (; t + 2 <= n; t += 2) {
+          if (t + kAhead < n) prefetch(rows[t + kAhead] + h * s_head, slice);
+          if (t + kAhead + 1 < n) prefetch(rows[t + kAhead + 1] + h * s_head, slice);
+          const T* k0 = rows[t] + h * s_head;
+          const T* k1 = rows[t + 1] + h * s_head;
+          __m512 a0[kHeadBlock], a1[kHeadBlock];
+          for (int64_t g = 0; g < kHeadBlock; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
+          for (int64_t c = 0; c < vecs; ++c) {
+            const __m512 x0 = load16(k0 + c * 16), x1 = load16(k1 + c * 16);
+            for (int64_t g = 0; g < gb; ++g) {
+              const __m512 qv = _mm512_loadu_ps(qh + g * d + c * 16);
+              a0[g] = _mm512_fmadd_ps(qv, x0, a0[g]);
+              a1[g] = _mm512_fmadd_ps(qv, x1, a1[g]);
+            }
+          }
+          for (int64_t g = 0; g < gb; ++g) {
+            scores[g * n + t] = _mm512_reduce_add_ps(a0[g]);
+            scores[g * n + t + 1] = _mm512_reduce_add_ps(a1[g]);
+          }
+        }
+        for (; t < n; ++t) {
+          const T* k0 = rows[t] + h * s_head;
+          for (int64_t g = 0; g < gb; ++g) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t c = 0; c < vecs; ++c)
+              a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * d + c * 16), load16(k0 + c * 16), a);
+            scores[g * n + t] = _mm512_reduce_add_ps(a);
+          }
         }
       }
       for (int64_t g = 0; g < gb; ++g) std::tie(m[head0 + g], l[head0 + g]) = softmax_inplace(&scores[g * n], n);

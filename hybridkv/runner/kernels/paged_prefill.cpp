@@ -25,7 +25,7 @@
 #include <vector>
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "../../models/kernels/simd.h"
 
 namespace {
 
@@ -33,16 +33,6 @@ constexpr int64_t kKeys = 64;      // keys per block: 4 vectors of scores per qu
 constexpr int64_t kRows = 4;       // query rows per register block
 constexpr int64_t kTileRows = 64;  // query rows (query x head of one KV head) per task
 
-inline __m512 exp16(__m512 x) {  // e^x, x <= 0; 2^n * p(r), degree-6 Taylor on |r| <= ln2/2
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
 
 // One KV head's keys and values [kb0 * kKeys, (kb1 + 1) * kKeys), repacked for vdpbf16ps (pairs of 16-bit lanes):
 // keys   k32[block][d / 2][key]   (32-bit: dims 2i, 2i + 1 of one key), scores of 16 keys per vector;
