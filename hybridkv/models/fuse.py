@@ -1,4 +1,5 @@
-"""Fuse several projections of one input into one matmul, without a second copy of the weights."""
+"""Fuse several projections of one input into one matmul, without a second copy of the weights; weights packed
+once into oneDNN's blocked layout, read by oneDNN or, for the few rows of a decode step, by `packed_rows`."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.models.packed_rows import PackedWeight, pack_weight
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+__all__ = ["FusedLinear", "PackedWeight", "pack_weight", "packed_linear", "release"]
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    return packed(x, bias)
 
 
 def release(linear: nn.Linear) -> None:
@@ -28,7 +29,7 @@ class FusedLinear:
     def __init__(self, linears: list[nn.Linear]) -> None:
         self.linears = linears
         self.sizes = [lin.out_features for lin in linears]
-        self.packed: torch.Tensor | None = None  # oneDNN's layout of `weight`, set by `pack`
+        self.packed: PackedWeight | None = None  # oneDNN's layout of `weight`, set by `pack`
         with torch.no_grad():
             self.weight = torch.cat([lin.weight for lin in linears])
             has_bias = [lin.bias is not None for lin in linears]

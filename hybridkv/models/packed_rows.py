@@ -1,0 +1,103 @@
+"""A linear weight packed once into oneDNN's blocked layout, and the two readers of it: oneDNN's matmul for
+prefill-sized inputs, and the `packed_rows` kernel (`models/kernels/packed_rows.cpp`) for the few rows of a decode
+step, where a linear is a stream over its weight (oneDNN reads it at 9-13 GB/s of this core's ~25).
+
+The kernel reads the packed bytes in place: no second copy. It is used for a weight only when it can be trusted
+there: bfloat16, the size oneDNN's layout would have, and a probe product equal to oneDNN's bit for bit (a CPU
+whose oneDNN picks another layout, AMX for one, or another summation order keeps oneDNN for every row count).
+So switching readers with the batch size never changes a row's bits.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from hybridkv.native import load_kernel
+
+SOURCE = Path(__file__).parent / "kernels" / "packed_rows.cpp"
+# rows x threads up to which the kernel beats oneDNN (one thread: 1.3-2x at 1-4 rows, 1.15x at 8; two threads
+# share the read bandwidth: ~1.2x at 1-2 rows, 0.85-1.05x at 4)
+ROW_THREADS_LIMIT = 4
+PROBE_ROWS = (1, 2, 4)
+
+
+@functools.cache
+def rows_kernel() -> object | None:
+    """The compiled module, or None (kernels off, no compiler, or a CPU without AVX512-BF16)."""
+    ops = load_kernel(SOURCE)
+    return ops if ops is not None and hasattr(ops, "linear_rows") else None
+
+
+class PackedWeight:
+    """A [N, K] weight in oneDNN's blocked layout; `self(x, bias)` is `x @ W^T (+ bias)` for x [..., K]."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.address = self._kernel_address(weight)  # None: oneDNN reads it at every row count
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (
+            self.address is not None
+            and x.dim() == 2
+            and x.shape[0] * torch.get_num_threads() <= ROW_THREADS_LIMIT
+            and x.dtype == torch.bfloat16
+            and x.stride(-1) == 1
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+        ):
+            return rows_kernel().linear_rows(x, self.address, self.out_features, self.in_features, bias)
+        return self.onednn(x, bias)
+
+    def onednn(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.tensor, bias, "none", [], "")
+
+    def _kernel_address(self, weight: torch.Tensor) -> int | None:
+        n, k = weight.shape
+        if weight.dtype != torch.bfloat16 or not kernel_matches_onednn(n, k):
+            return None
+        return torch.ops.mkldnn.data_ptr(self.tensor)
+
+
+def layout_bytes(n: int, k: int) -> int:
+    """Bytes of oneDNN's blocked bf16 layout the kernel reads: [Np/64][Kp/2][64][2]."""
+    return (n + 63) // 64 * 64 * ((k + 31) // 32 * 32) * 2
+
+
+def cancelling_probe(n: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [n, k] weight whose rows sum to exactly zero (the second half holds the first half's values negated,
+    in another order, magnitudes over 2^+-12) and x [4, k]: a row of ones, then random rows. Against the ones,
+    every output is the rounding residue of its summation order, so an order that differs from oneDNN's shows
+    in almost every output."""
+    half = k // 2
+    scale = torch.exp2(torch.randint(-12, 13, (n, half), generator=generator).float())  # sums that round in fp32
+    first = (torch.randn(n, half, generator=generator) * scale).to(torch.bfloat16)
+    second = -first.gather(1, torch.rand(n, half, generator=generator).argsort(dim=1))
+    tail = torch.zeros(n, k - 2 * half, dtype=torch.bfloat16)
+    x = torch.cat([torch.ones(1, k), torch.randn(3, k, generator=generator)]).to(torch.bfloat16)
+    return torch.cat([first, second, tail], dim=1), x
+
+
+@functools.cache
+def kernel_matches_onednn(n: int, k: int) -> bool:
+    """Whether the kernel reads oneDNN's packing of a bf16 [n, k] weight and sums in its order, on this CPU: the
+    layout's size, and equal bits on a cancelling probe (once per shape; 2-40 ms)."""
+    ops = rows_kernel()
+    if ops is None:
+        return False
+    weight, x = cancelling_probe(n, k, torch.Generator().manual_seed(n * 7919 + k))
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    address = torch.ops.mkldnn.data_ptr(packed)
+    if torch.ops.mkldnn._nbytes(packed) != layout_bytes(n, k) or address % 64:
+        return False
+    for rows in PROBE_ROWS:
+        want = torch.ops.mkldnn._linear_pointwise(x[:rows], packed, None, "none", [], "")
+        if not torch.equal(ops.linear_rows(x[:rows], address, n, k, None), want):
+            return False
+    return True
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight:
+    return PackedWeight(weight)
