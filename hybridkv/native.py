@@ -15,10 +15,14 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 KERNELS_ENV = "HYBRIDKV_KERNELS"
 MODES = ("native", "torch")
+# torch's loader holds `<build>/lock` while it compiles (about a minute) and waits, with no end and no message,
+# while another process holds it; a lock this old was left by a build that was killed.
+STALE_LOCK_S = 600
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,7 @@ def _build(source: Path) -> object | None:
     build = _build_dir()
     try:
         build.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(build)
         log.info("loading native kernel %s (compiled once per machine into %s, about a minute)", source.stem, build)
         return load(
             f"hybridkv_{source.stem}",
@@ -76,3 +81,17 @@ def _build(source: Path) -> object | None:
         log.warning("native kernel %s unavailable, using the torch path (%s: %s); set %s=torch to skip the build",
                     source.stem, type(e).__name__, why, KERNELS_ENV)  # fmt: skip
         return None
+
+
+def clear_stale_lock(build: Path) -> bool:
+    """Remove the build lock of a killed build (older than STALE_LOCK_S); whether one was removed."""
+    lock = build / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+        if age <= STALE_LOCK_S:
+            return False
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    log.warning("removed %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+    return True
