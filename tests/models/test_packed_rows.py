@@ -17,6 +17,17 @@ pytestmark = pytest.mark.skipif(rows_kernel() is None, reason="no AVX512-BF16 (o
 SHAPES = [(100, 72), (130, 1000), (256, 1024), (192, 2048), (64, 3072), (80, 1536), (320, 1100)]
 
 
+class Counting:
+    """The kernel module, recording the row count of every call."""
+
+    def __init__(self, rows: list[int]) -> None:
+        self.real, self.rows = rows_kernel(), rows
+
+    def linear_rows(self, x, *rest):
+        self.rows.append(x.shape[0])
+        return self.real.linear_rows(x, *rest)
+
+
 def onednn(x, weight, bias=None):
     return torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(weight, None), bias, "none",
                                               [], "")  # fmt: skip
@@ -50,16 +61,9 @@ def test_strided_rows_are_read_as_rows():
 @pytest.mark.parametrize(("threads", "kernel_rows"), [(1, (1, 2, 3, 4)), (2, (1, 2))])
 def test_routes_only_the_rows_it_wins_at(monkeypatch, threads, kernel_rows):
     calls = []
-    real = rows_kernel()
-
-    class Counting:
-        def linear_rows(self, x, *rest):
-            calls.append(x.shape[0])
-            return real.linear_rows(x, *rest)
-
     weight = torch.randn(128, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
     packed = PackedWeight(weight)
-    monkeypatch.setattr(packed_rows, "rows_kernel", lambda: Counting())
+    monkeypatch.setattr(packed_rows, "rows_kernel", lambda: Counting(calls))
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     for m in range(1, 9):
         x = torch.randn(m, 256).bfloat16()
@@ -110,13 +114,7 @@ def test_engine_decode_runs_the_kernel_and_keeps_its_bits(tmp_path, monkeypatch)
         monkeypatch.setattr(packed_rows, "ROW_THREADS_LIMIT", limit)
         rows = []
         real = rows_kernel()
-
-        class Counting:
-            def linear_rows(self, x, *rest):
-                rows.append(x.shape[0])
-                return real.linear_rows(x, *rest)
-
-        monkeypatch.setattr(packed_rows, "rows_kernel", lambda: Counting())
+        monkeypatch.setattr(packed_rows, "rows_kernel", lambda: Counting(rows))
         llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory="32MiB")
         rows.clear()  # the load-time probes
         out = llm.generate(prompt, params)[0].outputs[0]
