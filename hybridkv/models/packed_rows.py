@@ -58,7 +58,10 @@ class PackedWeight:
         n, k = weight.shape
         if weight.dtype != torch.bfloat16 or not kernel_matches_onednn(n, k):
             return None
-        return torch.ops.mkldnn.data_ptr(self.tensor)
+        address = torch.ops.mkldnn.data_ptr(self.tensor)
+        if torch.ops.mkldnn._nbytes(self.tensor) != layout_bytes(n, k) or address % 64:
+            return None
+        return address
 
 
 def layout_bytes(n: int, k: int) -> int:
