@@ -58,15 +58,18 @@ class PackedWeight:
         n, k = weight.shape
         if weight.dtype != torch.bfloat16 or not kernel_matches_onednn(n, k):
             return None
-        address = torch.ops.mkldnn.data_ptr(self.tensor)
-        if torch.ops.mkldnn._nbytes(self.tensor) != layout_bytes(n, k) or address % 64:
-            return None
-        return address
+        return readable_address(self.tensor, n, k)
 
 
 def layout_bytes(n: int, k: int) -> int:
     """Bytes of oneDNN's blocked bf16 layout the kernel reads: [Np/64][Kp/2][64][2]."""
     return (n + 63) // 64 * 64 * ((k + 31) // 32 * 32) * 2
+
+
+def readable_address(packed: torch.Tensor, n: int, k: int) -> int | None:
+    """The address of a packed [n, k] bf16 weight if it has the layout's size and the kernel's alignment."""
+    address = torch.ops.mkldnn.data_ptr(packed)
+    return address if torch.ops.mkldnn._nbytes(packed) == layout_bytes(n, k) and address % 64 == 0 else None
 
 
 def cancelling_probe(n: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,8 +95,8 @@ def kernel_matches_onednn(n: int, k: int) -> bool:
         return False
     weight, x = cancelling_probe(n, k, torch.Generator().manual_seed(n * 7919 + k))
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    address = torch.ops.mkldnn.data_ptr(packed)
-    if torch.ops.mkldnn._nbytes(packed) != layout_bytes(n, k) or address % 64:
+    address = readable_address(packed, n, k)
+    if address is None:
         return False
     for rows in PROBE_ROWS:
         want = torch.ops.mkldnn._linear_pointwise(x[:rows], packed, None, "none", [], "")
