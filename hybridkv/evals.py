@@ -1,12 +1,14 @@
 """Score a prompt/answer jsonl through lm-eval against a running server (`local-completions`, or
-`local-chat-completions` through the model's chat template), offline.
+`local-chat-completions` through the model's chat template, k-shot as vLLM's PD accuracy test calls it), offline.
 
-The task YAML is written next to a copy of the data in a temporary folder, so lm-eval needs no network.
+The task YAML is written next to copies of the data and of the few-shot pool in a temporary folder, so lm-eval
+needs no network; with a tokenizer folder, lm-eval loads it (`tokenizer_backend=huggingface`) from there.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,10 +37,21 @@ metric_list:
 """
 
 
-def write_task(folder: Path, data: Path, max_tokens: int = 8) -> Path:
+def write_task(folder: Path, data: Path, fewshot: Path | None = None, max_tokens: int = 8) -> Path:
+    """The task in `folder`: `data` as its test split; `fewshot` (default: kv_recall's seeded pool of
+    `SHOT_KEYS` items, which a model folder ships as fewshot.jsonl) as the split shots are drawn from."""
+    from hybridkv.tasks import kv_recall
+
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(data, folder / "data.jsonl")
-    (folder / f"{TASK}.yaml").write_text(TASK_YAML.format(task=TASK, data=folder / "data.jsonl", max_tokens=max_tokens))
+    if fewshot is None:
+        kv_recall.write_jsonl(folder / "fewshot.jsonl", kv_recall.fewshot_pool())
+    else:
+        shutil.copy(fewshot, folder / "fewshot.jsonl")
+    yaml = TASK_YAML.format(
+        task=TASK, data=folder / "data.jsonl", fewshot=folder / "fewshot.jsonl", max_tokens=max_tokens
+    )
+    (folder / f"{TASK}.yaml").write_text(yaml)
     return folder
 
 
@@ -64,26 +77,47 @@ def lm_eval_server_accuracy(
     limit: int | None = None,
     num_concurrent: int = 8,
     chat: bool = False,
+    num_fewshot: int = 0,
+    tokenizer: Path | None = None,
+    fewshot: Path | None = None,
 ) -> float:
-    """Exact-match accuracy of the server at `base_url` (e.g. http://127.0.0.1:8000) on `data`; `chat` sends
-    each prompt as one user message to /v1/chat/completions."""
+    """Exact-match accuracy of the server at `base_url` (e.g. http://127.0.0.1:8000) on `data`. `chat` sends
+    each prompt to /v1/chat/completions, after `num_fewshot` shots from `fewshot` as user/assistant turns
+    (lm-eval's `fewshot_as_multiturn`); `tokenizer`: a local tokenizer folder for lm-eval (else none)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     with tempfile.TemporaryDirectory() as tmp:
-        include = write_task(Path(tmp), data)
+        include = write_task(Path(tmp), data, fewshot)
         route = "chat/completions" if chat else "completions"
+        backend = f"tokenizer_backend=huggingface,tokenizer={tokenizer}" if tokenizer else "tokenizer_backend=None"
         results = lm_eval.simple_evaluate(
             model="local-chat-completions" if chat else "local-completions",
             model_args=(
                 f"model={model_name},base_url={base_url}/v1/{route},num_concurrent={num_concurrent},"
-                "tokenized_requests=False,tokenizer_backend=None"
+                f"tokenized_requests=False,{backend}"
             ),
             tasks=[TASK],
             task_manager=TaskManager(include_path=str(include)),
             limit=limit,
+            num_fewshot=num_fewshot,
             apply_chat_template=chat,
         )
     return results["results"][TASK]["exact_match,none"]
+
+
+def chat_prompts(folder: Path, items: list[dict], num_fewshot: int, pool: Path | None) -> list[str]:
+    """Each item as the model's chat template renders it after `num_fewshot` shots, drawn from `pool` (default:
+    kv_recall's seeded pool) by a generator seeded with the item's index: the same shots on every run."""
+    from hybridkv.serve.chat import render_chat
+    from hybridkv.tasks import kv_recall
+
+    shots = kv_recall.read_jsonl(pool) if pool else kv_recall.fewshot_pool()
+    if num_fewshot > len(shots):
+        raise ValueError(f"--num-fewshot {num_fewshot} but the pool ({pool or 'seeded'}) holds {len(shots)} shots")
+    return [
+        render_chat(str(folder), kv_recall.fewshot_messages(it, random.Random(i).sample(shots, num_fewshot)))
+        for i, it in enumerate(items)
+    ]

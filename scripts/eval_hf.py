@@ -2,6 +2,7 @@
 
     python scripts/eval_hf.py                      # the shipped default model: normal and both KV bugs
     python scripts/eval_hf.py --model DIR --runs normal --data items.jsonl
+    python scripts/eval_hf.py --chat-shots 0 5          # also as chats after 0 and 5 shots (fewshot.jsonl)
 
 Besides the model as trained, two runs break its KV reads on purpose; each must score far lower:
   wrong-kv   the KV-sharing consumers read the previous KV owner of their type instead of the last one (a
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -92,8 +94,20 @@ def greedy(model, tok, prompts: list[str], batch_size: int, max_new_tokens: int 
     return outs
 
 
-def accuracy(model, tok, items: list[dict[str, str]], batch_size: int = 64) -> float:
-    preds = greedy(model, tok, [it["prompt"] for it in items], batch_size)
+def chat_prompts(tok, items: list[dict[str, str]], shots: int, pool: list[dict[str, str]]) -> list[str]:
+    """Each item after `shots` shots from `pool` (chosen by random.Random(index)), through the chat template."""
+    return [
+        tok.apply_chat_template(
+            kv_recall.fewshot_messages(it, random.Random(i).sample(pool, shots)),
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for i, it in enumerate(items)
+    ]
+
+
+def accuracy(model, tok, items: list[dict[str, str]], batch_size: int = 64, prompts: list[str] | None = None) -> float:
+    preds = greedy(model, tok, prompts or [it["prompt"] for it in items], batch_size)
     return sum(kv_recall.score(p, it["answer"]) for p, it in zip(preds, items)) / len(items)
 
 
@@ -102,16 +116,23 @@ def load(model_dir: Path):
     return model.eval(), AutoTokenizer.from_pretrained(model_dir)
 
 
-def evaluate(model_dir: Path, data: Path, names: list[str], batch_size: int = 64) -> dict[str, float]:
+def evaluate(
+    model_dir: Path, data: Path, names: list[str], batch_size: int = 64, chat_shots: tuple[int, ...] = ()
+) -> dict[str, float]:
+    """Accuracy per run in `names`: on the raw prompts, then as chats after each count in `chat_shots`."""
     model, tok = load(model_dir)
     items = kv_recall.read_jsonl(data)
     print(f"kv_recall: {len(items)} items from {data}; transformers, float32, greedy")
+    pool = kv_recall.read_jsonl(model_dir / "fewshot.jsonl") if chat_shots else []
+    shapes = {"raw": None} | {f"chat {k}-shot": chat_prompts(tok, items, k, pool) for k in chat_shots}
     scores = {}
-    for name in names:
-        start = time.perf_counter()
-        with runs(model)[name]():
-            scores[name] = accuracy(model, tok, items, batch_size)
-        print(f"  {name:<10} accuracy {scores[name]:.3f}   ({time.perf_counter() - start:.1f}s)", flush=True)
+    for shape, prompts in shapes.items():
+        for name in names:
+            start = time.perf_counter()
+            with runs(model)[name]():
+                scores[f"{shape} {name}"] = accuracy(model, tok, items, batch_size, prompts)
+            took = time.perf_counter() - start
+            print(f"  {shape:<12} {name:<10} accuracy {scores[f'{shape} {name}']:.3f}   ({took:.1f}s)", flush=True)
     return scores
 
 
@@ -122,10 +143,12 @@ def main() -> None:
     ap.add_argument("--runs", nargs="+", default=["normal", "wrong-kv", "windowed"])
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--chat-shots", type=int, nargs="*", default=[], help="also score as chats after k shots")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    evaluate(args.model, args.data or args.model / "heldout.jsonl", args.runs, args.batch_size)
+    data = args.data or args.model / "heldout.jsonl"
+    evaluate(args.model, data, args.runs, args.batch_size, tuple(args.chat_shots))
 
 
 if __name__ == "__main__":

@@ -238,7 +238,7 @@ def main() -> None:
     tok.backend_tokenizer.no_padding()  # batching turned it on; a served tokenizer should not pad
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(args.out)
-    kv_recall.write_jsonl(args.out / "heldout.jsonl", HELDOUT_SIZE, HELDOUT_SEED)
+    kv_recall.write_jsonl(args.out / "heldout.jsonl", kv_recall.make_items(HELDOUT_SIZE, HELDOUT_SEED))
     print(f"trained and saved to {args.out} in {time.perf_counter() - t0:.0f}s", flush=True)
     evaluate(args.out, args.out / "heldout.jsonl", ["normal", "wrong-kv", "windowed"])
     print(f"total {time.perf_counter() - t0:.0f}s", flush=True)

@@ -237,7 +237,7 @@ def save(model, tok, out: Path) -> None:
     tok.backend_tokenizer.no_padding()  # batching turned it on; a served tokenizer should not pad
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(out)
-    kv_recall.write_jsonl(out / "heldout.jsonl", HELDOUT_SIZE, HELDOUT_SEED)
+    kv_recall.write_jsonl(out / "heldout.jsonl", kv_recall.make_items(HELDOUT_SIZE, HELDOUT_SEED))
 
 
 def polish(model, tok, args: argparse.Namespace, t0: float) -> None:

@@ -19,12 +19,18 @@ notes mention keys, bound or not, but never carry digits. The answer is ` <code>
 default model's generation config stops on it, or on EOS). `score`: the generated text up to its first
 newline, stripped, equals the code. Held-out items ask one question, never about the last binding, so the
 code is at least 16 tokens back; training texts ask 1-6 questions, each answered before the next.
+
+As a chat (`fewshot_messages`, the shape lm-eval's `local-chat-completions` sends with `num_fewshot=k` and
+`apply_chat_template=True`): k solved items as user/assistant turns, then the item's prompt as the last user turn.
+Shots come from a pool of keys (`SHOT_KEYS`) that held-out items never use, so a conversation binds each key once:
+the model has no notion of "the latest binding wins", and a shot binding the asked key would be a different task.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 KEYS = (
@@ -33,6 +39,11 @@ KEYS = (
     "jet", "kit", "leg", "log", "map", "mat", "mop", "mud", "net", "nut", "oak", "orb", "owl", "pan", "pen", "pig",
     "pin", "pot", "ram", "rat", "rod", "rug", "saw", "sea", "sky", "sun", "tea", "tin", "toy", "van", "web", "yak",
 )  # fmt: skip
+SHOT_KEYS = (
+    "ash", "bun", "cod", "dam", "den", "dew", "elf", "emu", "fin", "fog", "gum", "hog", "hop", "ivy", "jug", "keg",
+    "kid", "lid", "lip", "mug", "nib", "oar", "pea", "pod", "pub", "rib", "rye", "sap", "sod", "tub", "urn", "vat",
+)  # fmt: skip
+FEWSHOT_SEED, FEWSHOT_SIZE = 4321, 64  # the few-shot pool a model folder ships as fewshot.jsonl
 NOTE_WORDS = ("old", "new", "red", "far", "wet", "hot")
 HEADER = "Remember these codes."
 BINDINGS = (4, 10)  # bindings per context, inclusive; at most 10: values start with distinct digits
@@ -47,14 +58,17 @@ def _values(rng: random.Random, n: int) -> list[str]:
 
 
 def make_context(
-    rng: random.Random, bindings: tuple[int, int] = BINDINGS, notes: tuple[int, int] = NOTES
+    rng: random.Random,
+    bindings: tuple[int, int] = BINDINGS,
+    notes: tuple[int, int] = NOTES,
+    keys: tuple[str, ...] | list[str] = KEYS,
 ) -> tuple[str, dict[str, str]]:
-    """A context of bindings with distractor notes mixed in, and its key -> value map."""
+    """A context of bindings with distractor notes mixed in (all drawn from `keys`), and its key -> value map."""
     n = rng.randint(*bindings)
-    values = dict(zip(rng.sample(KEYS, n), _values(rng, n)))
+    values = dict(zip(rng.sample(keys, n), _values(rng, n)))
     lines = [f"- {k} {v}" for k, v in values.items()]
     for _ in range(rng.randint(*notes)):
-        lines.insert(rng.randint(0, len(lines)), f"- note: {rng.choice(KEYS)} is {rng.choice(NOTE_WORDS)}.")
+        lines.insert(rng.randint(0, len(lines)), f"- note: {rng.choice(keys)} is {rng.choice(NOTE_WORDS)}.")
     return "\n".join([HEADER, *lines, ""]), values
 
 
@@ -62,9 +76,9 @@ def question(key: str) -> str:
     return f"Q: what is {key}?\nA: {key}"
 
 
-def make_item(rng: random.Random) -> dict[str, str]:
+def make_item(rng: random.Random, keys: tuple[str, ...] | list[str] = KEYS) -> dict[str, str]:
     """A held-out item: one question, never about the last binding; its value is 16+ tokens back."""
-    context, values = make_context(rng)
+    context, values = make_context(rng, keys=keys)
     key = rng.choice(list(values)[:-1])
     return {"prompt": context + question(key), "answer": " " + values[key]}
 
@@ -83,16 +97,50 @@ def make_training_text(
     return text, spans
 
 
+def fewshot_messages(item: dict[str, str], shots: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The chat lm-eval sends for `item` with these shots: each shot's prompt and answer as a user and an
+    assistant turn, then the item's prompt."""
+    turns = [[{"role": "user", "content": s["prompt"]}, {"role": "assistant", "content": s["answer"]}] for s in shots]
+    return [m for turn in turns for m in turn] + [{"role": "user", "content": item["prompt"]}]
+
+
+def make_training_chat(
+    rng: random.Random, shots: int, bindings: tuple[int, int] = BINDINGS, notes: tuple[int, int] = NOTES
+) -> list[dict[str, str]]:
+    """A chat to train on: `shots` solved items (the few-shot shape), then a context asked 1-3 questions, each
+    answered, the later ones as short follow-up turns. Every assistant turn is an answer, and no key is bound
+    twice in the chat: the model has no notion of "the latest binding wins"."""
+    context, values = make_context(rng, bindings, notes)
+    bound = set(values)
+    solved = []
+    for _ in range(shots):
+        solved.append(make_item(rng, [k for k in KEYS + SHOT_KEYS if k not in bound]))
+        bound |= {line.split()[1] for line in solved[-1]["prompt"].splitlines() if re.fullmatch(r"- \w+ \d+", line)}
+    messages = fewshot_messages({"prompt": ""}, solved)[:-1]
+    for i, key in enumerate(rng.sample(list(values), rng.randint(1, min(3, len(values))))):
+        messages.append({"role": "user", "content": (context if i == 0 else "") + question(key)})
+        messages.append({"role": "assistant", "content": " " + values[key]})
+    return messages
+
+
 def score(prediction: str, answer: str) -> bool:
     """Exact match of the generated text up to its first newline, both sides stripped."""
     return prediction.split("\n", 1)[0].strip() == answer.strip()
 
 
-def write_jsonl(path: str | Path, n: int, seed: int) -> None:
+def make_items(n: int, seed: int, keys: tuple[str, ...] = KEYS) -> list[dict[str, str]]:
+    """n held-out items (or, with keys=SHOT_KEYS, a few-shot pool) from random.Random(seed)."""
     rng = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(n):
-            f.write(json.dumps(make_item(rng)) + "\n")
+    return [make_item(rng, keys) for _ in range(n)]
+
+
+def fewshot_pool() -> list[dict[str, str]]:
+    """The seeded few-shot pool: what a model folder ships as fewshot.jsonl."""
+    return make_items(FEWSHOT_SIZE, FEWSHOT_SEED, SHOT_KEYS)
+
+
+def write_jsonl(path: str | Path, items: list[dict[str, str]]) -> None:
+    Path(path).write_text("".join(json.dumps(item) + "\n" for item in items))
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, str]]:

@@ -18,6 +18,8 @@ runner = CliRunner()
         (["serve", "--threads", "0"], "--threads"),
         (["eval", "--limit", "0"], "--limit"),
         (["eval", "--batch-size", "0"], "--batch-size"),
+        (["eval", "--num-fewshot", "2"], "--num-fewshot needs --chat"),
+        (["eval", "--chat", "--num-fewshot", "9"], "--num-fewshot"),
         (["generate", "--model", "/nonexistent"], "--model needs --prompt"),
         (["generate", "--prompt", "hi", "--max-model-len", "1"], "max_model_len must be >= 2"),
         (["bench", "throughput", "--input-len", "600"], "max_position_embeddings"),
@@ -60,3 +62,12 @@ def test_layer_shapes_are_validated():
             LayerAttn("full_attention", **kw)
     with pytest.raises(ValueError, match="sliding_window"):
         LayerAttn("sliding_attention", 2, 8, sliding_window=0)
+
+
+def test_eval_few_shot_pool_problems(tmp_path):
+    pool = tmp_path / "shots.jsonl"
+    pool.write_text('{"prompt": "a", "answer": " 1"}\n')
+    r = runner.invoke(app, ["eval", "--chat", "--num-fewshot", "2", "--fewshot", str(pool), "--limit", "1"])
+    assert r.exit_code == 2 and "holds 1 shots" in r.output and "Traceback" not in r.output
+    r = runner.invoke(app, ["eval", "--chat", "--num-fewshot", "1", "--fewshot", str(tmp_path / "no.jsonl")])
+    assert r.exit_code == 2 and "no.jsonl" in r.output and "Traceback" not in r.output

@@ -245,26 +245,33 @@ def test_metrics_expose_tokens_cache_and_latency(url):
 
 def test_lm_eval_on_the_embedded_model_through_the_server(tmp_path):
     """The CI subset of the accuracy harness: the embedded model's held-out items through lm-eval's
-    local-completions and local-chat-completions score what the in-process engine scores, and >= 0.9."""
+    local-completions, and local-chat-completions 0-shot, score what the in-process engine scores on the same
+    prompts (raw, and rendered by the chat template), and >= 0.9."""
     pytest.importorskip("lm_eval")
     from hybridkv.engine.config import DEFAULT_MODEL_DIR
-    from hybridkv.evals import lm_eval_server_accuracy
+    from hybridkv.evals import chat_prompts, lm_eval_server_accuracy
     from hybridkv.tasks.kv_recall import read_jsonl, score
 
     items = read_jsonl(DEFAULT_MODEL_DIR / "heldout.jsonl")[:24]
     data = tmp_path / "subset.jsonl"
     data.write_text("".join(json.dumps(it) + "\n" for it in items))
-    outs = LLM().generate([it["prompt"] for it in items], SamplingParams(max_tokens=8, temperature=0, stop=["\n"]))
-    in_process = sum(score(o.outputs[0].text, it["answer"]) for o, it in zip(outs, items)) / len(items)
-    assert in_process >= 0.9
+    params = SamplingParams(max_tokens=8, temperature=0, stop=["\n"])
+    in_process = {}
+    for shape, prompts in (
+        ("raw", [it["prompt"] for it in items]),
+        ("chat", chat_prompts(DEFAULT_MODEL_DIR, items, 0, None)),
+    ):
+        outs = LLM().generate(prompts, params)
+        in_process[shape] = sum(score(o.outputs[0].text, it["answer"]) for o, it in zip(outs, items)) / len(items)
+    assert min(in_process.values()) >= 0.9
     port = free_port()
     proc = subprocess.Popen(["hybridkv", "serve", "--port", str(port), "--threads", "1"], stdout=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc)
         name = DEFAULT_MODEL_DIR.name
-        assert lm_eval_server_accuracy(url, name, data) == pytest.approx(in_process)
-        assert lm_eval_server_accuracy(url, name, data, chat=True) == pytest.approx(in_process)
+        assert lm_eval_server_accuracy(url, name, data) == pytest.approx(in_process["raw"])
+        assert lm_eval_server_accuracy(url, name, data, chat=True) == pytest.approx(in_process["chat"])
     finally:
         proc.terminate()
         proc.wait(timeout=20)

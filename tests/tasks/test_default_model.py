@@ -30,7 +30,7 @@ def test_folder_is_a_small_hybrid_gemma4_with_kv_sharing():
 
 
 def test_heldout_set_is_the_seeded_generator_output(tmp_path):
-    kv_recall.write_jsonl(tmp_path / "heldout.jsonl", 256, seed=1234)
+    kv_recall.write_jsonl(tmp_path / "heldout.jsonl", kv_recall.make_items(256, seed=1234))
     assert (MODEL / "heldout.jsonl").read_text() == (tmp_path / "heldout.jsonl").read_text()
 
 
