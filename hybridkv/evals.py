@@ -100,7 +100,7 @@ def lm_eval_server_accuracy(
                 f"tokenized_requests=False,{backend}"
             ),
             tasks=[TASK],
-            task_manager=TaskManager(include_path=str(include)),
+            task_manager=TaskManager(include_path=str(include), include_defaults=False),  # ours only: no scan
             limit=limit,
             num_fewshot=num_fewshot,
             apply_chat_template=chat,

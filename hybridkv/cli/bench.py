@@ -1,5 +1,5 @@
 """`hybridkv bench serve`: concurrent streaming clients against an OpenAI-compatible server; `bench throughput`
-(offline, in-process) lives in `bench_throughput`."""
+(offline, in-process) lives in `bench_throughput`, `bench pd-accuracy` (the PD sweep) in `bench_pd_accuracy`."""
 
 from __future__ import annotations
 
@@ -13,12 +13,18 @@ from typing import Annotated
 
 import typer
 
+from hybridkv.cli.bench_pd_accuracy import bench_pd_accuracy
 from hybridkv.cli.bench_throughput import bench_throughput
 
 app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 app.command("throughput", help="Offline batch throughput in-process: N random prompts, greedy, EOS ignored.")(
     bench_throughput
 )
+app.command(
+    "pd-accuracy",
+    help="PD sweep: models x KV layouts x topologies x routers; each cell's lm-eval score and greedy outputs must "
+    "equal one plain instance's (exit 1 otherwise).",
+)(bench_pd_accuracy)
 
 
 @dataclass
