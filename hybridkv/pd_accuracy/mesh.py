@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -15,6 +16,18 @@ import httpx
 from hybridkv.launch import Process, free_port
 from hybridkv.pd_accuracy.grid import SweepOptions
 from hybridkv.pd_accuracy.models import ModelSpec
+
+
+def _retrying(start: Callable[[], Process], attempts: int = 3) -> Process:
+    """`start()`, again while it fails because a port it picked was taken meanwhile (free_port() only finds a port
+    free at that moment: the sweep's own client connections may take it before the child binds it)."""
+    for attempt in range(attempts):
+        try:
+            return start()
+        except RuntimeError as e:
+            if attempt == attempts - 1 or not any(s in str(e) for s in ("in use", "Address already in use")):
+                raise
+    raise AssertionError("unreachable")
 
 
 def engine_args(spec: ModelSpec, options: SweepOptions) -> list[str]:
@@ -26,15 +39,19 @@ def engine_args(spec: ModelSpec, options: SweepOptions) -> list[str]:
 
 def plain_server(spec: ModelSpec, options: SweepOptions, env: dict[str, str]) -> Process:
     """One instance without a connector: the single-instance reference."""
-    return Process("serve", *engine_args(spec, options), env=env, timeout=options.start_timeout)
+    return _retrying(lambda: Process("serve", *engine_args(spec, options), env=env, timeout=options.start_timeout))
 
 
 def pd_server(spec: ModelSpec, options: SweepOptions, layout: str, env: dict[str, str]) -> Process:
     """One instance with a NixlConnector (kv_both) on a free side-channel port, in `layout`."""
-    ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": {}}
-    ktc["kv_connector_extra_config"]["side_channel_port"] = free_port()
-    args = [*engine_args(spec, options), "--kv-layout", layout, "--kv-transfer-config", json.dumps(ktc)]
-    return Process("serve", *args, env=env, timeout=options.start_timeout)
+
+    def start() -> Process:
+        extra = {"side_channel_port": free_port()}
+        ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+        args = [*engine_args(spec, options), "--kv-layout", layout, "--kv-transfer-config", json.dumps(ktc)]
+        return Process("serve", *args, env=env, timeout=options.start_timeout)
+
+    return _retrying(start)
 
 
 class InstancePool:
@@ -81,10 +98,14 @@ def router(
     """`hybridkv proxy` or vllm-router's PD mode (round robin) over the instances."""
     if kind == "proxy":
         args = ["proxy", "--prefill", *(p.url for p in prefill), "--decode", *(d.url for d in decode)]
-        return Process(*args, env=env, timeout=timeout)
-    args = ["--vllm-pd-disaggregation", "--policy", "round_robin", "--prometheus-port", str(free_port())]
-    args += [a for p in prefill for a in ("--prefill", p.url)] + [a for d in decode for a in ("--decode", d.url)]
-    return Process(*args, program=["vllm-router"], env=env, timeout=timeout)
+        return _retrying(lambda: Process(*args, env=env, timeout=timeout))
+    pools = [a for p in prefill for a in ("--prefill", p.url)] + [a for d in decode for a in ("--decode", d.url)]
+
+    def start() -> Process:
+        args = ["--vllm-pd-disaggregation", "--policy", "round_robin", "--prometheus-port", str(free_port()), *pools]
+        return Process(*args, program=["vllm-router"], env=env, timeout=timeout)
+
+    return _retrying(start)
 
 
 @dataclass(frozen=True)

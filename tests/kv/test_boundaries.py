@@ -20,6 +20,8 @@ HYBRIDKV = KV.parent
 LAYERS = [
     "version",
     "units",
+    "launch",  # starts `hybridkv` processes (the sweep, tests); imports nothing of ours
+    "tiny_models",  # random tiny checkpoints; imports nothing of ours
     "native",
     "kv",
     "request",
@@ -28,8 +30,9 @@ LAYERS = [
     "connectors",
     "engine",
     "tasks",
-    "evals",
     "serve",
+    "evals",  # lm-eval against a server; renders chats as the server does
+    "pd_accuracy",  # the PD sweep: processes, lm-eval, tables
     "cli",
 ]
 

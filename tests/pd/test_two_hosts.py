@@ -61,8 +61,11 @@ def test_the_kv_crosses_the_veth_between_two_namespaces(two_hosts):
     link = {"decode": net.decode.counters(), "prefill": net.prefill.counters()}
     uplink = net.decode.counters(net.decode.uplink)
     # Every prompt's KV read, none failed or recomputed:
-    with transfers(d, at_least=len(PROMPTS)) as moved, ThreadPoolExecutor(3) as pool:
-        outs = list(pool.map(lambda q: complete(x.url, q), PROMPTS))
+    try:
+        with transfers(d, at_least=len(PROMPTS)) as moved, ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(lambda q: complete(x.url, q), PROMPTS))
+    except AssertionError as e:  # say why the reads failed: the instances' logs
+        raise AssertionError(f"{e}\nprefill:\n{p.output()}\ndecode:\n{d.output()}") from e
     assert [o["choices"][0]["text"] for o in outs] == expected, (p.output(), d.output())
     received = net.decode.counters()["rx_bytes"] - link["decode"]["rx_bytes"]
     sent = net.prefill.counters()["tx_bytes"] - link["prefill"]["tx_bytes"]
