@@ -186,7 +186,9 @@ class NetnsServer:
         self.url = f"http://{host.addr}:{self.PORT}"
         self.cmd = ["ip", "netns", "exec", host.ns, "hybridkv", "serve", *args, "--host", host.addr]
         self.cmd += ["--port", str(self.PORT)]
-        self.env = os.environ | env
+        # Not the caller's UCX_NET_DEVICES: a NIXL connector made earlier in this process sets it to its own device
+        # (lo), and a server that inherits it cannot reach its peer; each instance picks its veth itself.
+        self.env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"} | env
         self.log = Path(tempfile.mkstemp(prefix="hybridkv-netns-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
 
