@@ -20,7 +20,10 @@ dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
+    fewshot: {fewshot}
 test_split: test
+fewshot_split: fewshot
+target_delimiter: ""
 output_type: generate_until
 doc_to_text: "{{{{prompt}}}}"
 doc_to_target: "{{{{answer}}}}"
