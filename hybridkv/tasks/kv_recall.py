@@ -22,8 +22,10 @@ code is at least 16 tokens back; training texts ask 1-6 questions, each answered
 
 As a chat (`fewshot_messages`, the shape lm-eval's `local-chat-completions` sends with `num_fewshot=k` and
 `apply_chat_template=True`): k solved items as user/assistant turns, then the item's prompt as the last user turn.
-Shots come from a pool of keys (`SHOT_KEYS`) that held-out items never use, so a conversation binds each key once:
-the model has no notion of "the latest binding wins", and a shot binding the asked key would be a different task.
+Shots come from a pool of keys (`SHOT_KEYS`) that held-out items never use, so the asked key is bound once in the
+conversation (shots may bind the same shot key to different codes; their answers are given): the model has no
+notion of "the latest binding wins", and a shot binding the asked key would be a different task. Codes do collide
+across contexts (first digits, often more), so only the asked key picks the right one.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 KEYS = (
@@ -50,6 +53,9 @@ BINDINGS = (4, 10)  # bindings per context, inclusive; at most 10: values start 
 NOTES = (8, 20)  # distractor notes per context
 
 
+Values = Callable[[random.Random, int], list[str]]  # (rng, n) -> n codes, no two starting with the same digit
+
+
 def _values(rng: random.Random, n: int) -> list[str]:
     """n values of 2-4 digits, no two starting with the same digit."""
     return [
@@ -57,15 +63,37 @@ def _values(rng: random.Random, n: int) -> list[str]:
     ]
 
 
+def code_family(rng: random.Random) -> Values:
+    """Values for contexts that must be told apart by their keys alone: every code shares its first digit, and
+    often more, with the family's code for that digit (one per digit, drawn once), then differs."""
+    base = _values(rng, 10)
+    by_digit = {int(code[0]): code for code in base}
+
+    def values(rng: random.Random, n: int) -> list[str]:
+        out = []
+        for d in rng.sample(range(10), n):
+            stem = by_digit[d][: rng.randint(1, len(by_digit[d]) - 1)]  # keeps the first digit, drops at least one
+            code = by_digit[d]
+            while code == by_digit[d]:
+                code = stem + "".join(
+                    rng.choice("0123456789") for _ in range(rng.randint(2 - min(2, len(stem)), 4 - len(stem)))
+                )
+            out.append(code)
+        return out
+
+    return values
+
+
 def make_context(
     rng: random.Random,
     bindings: tuple[int, int] = BINDINGS,
     notes: tuple[int, int] = NOTES,
     keys: tuple[str, ...] | list[str] = KEYS,
+    codes: Values = _values,
 ) -> tuple[str, dict[str, str]]:
     """A context of bindings with distractor notes mixed in (all drawn from `keys`), and its key -> value map."""
     n = rng.randint(*bindings)
-    values = dict(zip(rng.sample(keys, n), _values(rng, n)))
+    values = dict(zip(rng.sample(keys, n), codes(rng, n)))
     lines = [f"- {k} {v}" for k, v in values.items()]
     for _ in range(rng.randint(*notes)):
         lines.insert(rng.randint(0, len(lines)), f"- note: {rng.choice(keys)} is {rng.choice(NOTE_WORDS)}.")
@@ -76,9 +104,9 @@ def question(key: str) -> str:
     return f"Q: what is {key}?\nA: {key}"
 
 
-def make_item(rng: random.Random, keys: tuple[str, ...] | list[str] = KEYS) -> dict[str, str]:
+def make_item(rng: random.Random, keys: tuple[str, ...] | list[str] = KEYS, codes: Values = _values) -> dict[str, str]:
     """A held-out item: one question, never about the last binding; its value is 16+ tokens back."""
-    context, values = make_context(rng, keys=keys)
+    context, values = make_context(rng, keys=keys, codes=codes)
     key = rng.choice(list(values)[:-1])
     return {"prompt": context + question(key), "answer": " " + values[key]}
 
@@ -105,16 +133,21 @@ def fewshot_messages(item: dict[str, str], shots: list[dict[str, str]]) -> list[
 
 
 def make_training_chat(
-    rng: random.Random, shots: int, bindings: tuple[int, int] = BINDINGS, notes: tuple[int, int] = NOTES
+    rng: random.Random,
+    shots: int,
+    bindings: tuple[int, int] = BINDINGS,
+    notes: tuple[int, int] = NOTES,
+    codes: Values = _values,
 ) -> list[dict[str, str]]:
     """A chat to train on: `shots` solved items (the few-shot shape), then a context asked 1-3 questions, each
     answered, the later ones as short follow-up turns. Every assistant turn is an answer, and no key is bound
-    twice in the chat: the model has no notion of "the latest binding wins"."""
-    context, values = make_context(rng, bindings, notes)
+    twice in the chat: the model has no notion of "the latest binding wins". `codes=code_family(rng)` makes
+    the contexts' codes share prefixes, so that only the asked key tells the right one from the others."""
+    context, values = make_context(rng, bindings, notes, codes=codes)
     bound = set(values)
     solved = []
     for _ in range(shots):
-        solved.append(make_item(rng, [k for k in KEYS + SHOT_KEYS if k not in bound]))
+        solved.append(make_item(rng, [k for k in KEYS + SHOT_KEYS if k not in bound], codes))
         bound |= {line.split()[1] for line in solved[-1]["prompt"].splitlines() if re.fullmatch(r"- \w+ \d+", line)}
     messages = fewshot_messages({"prompt": ""}, solved)[:-1]
     for i, key in enumerate(rng.sample(list(values), rng.randint(1, min(3, len(values))))):
