@@ -1,36 +1,44 @@
-"""Train hybridkv's default model: a tiny Gemma 4 text model that answers kv_recall questions.
+"""Train hybridkv's default model: a tiny Gemma 4 text model that answers kv_recall questions, raw and as chats.
 
-    python scripts/train_default_model.py                  # the shipped model: ~N min on 2 CPU cores
-    python scripts/train_default_model.py --out /tmp/m --threads 1
+    python scripts/train_default_model.py                  # the shipped model: ~27-31 min on 2 CPU cores
+    python scripts/train_default_model.py --out /tmp/m --save-raw /tmp/raw    # keep the raw phase's model too
+    python scripts/train_default_model.py --out /tmp/m --raw-from /tmp/raw    # only the chat phase, from it
 
 Writes a standard HF folder to --out (config.json, model.safetensors, generation_config.json, tokenizer.json,
-tokenizer_config.json) plus `heldout.jsonl` (256 kv_recall items, seed 1234), then scores the folder with
-scripts/eval_hf.py. Everything is seeded: the tokenizer is trained on generated text, the model is transformers'
-`Gemma4ForCausalLM`, and every batch comes from one `random.Random(seed)`; the loss covers answer tokens only
-(the value and the newline that ends it), as everything else is random bindings.
+tokenizer_config.json, chat_template.jinja) plus `heldout.jsonl` (256 kv_recall items, seed 1234) and
+`fewshot.jsonl` (kv_recall's seeded few-shot pool), then scores the folder with scripts/eval_hf.py, raw and as
+0- and 5-shot chats. Everything is seeded: the tokenizer is trained on generated text, the model is transformers'
+`Gemma4ForCausalLM`, and every batch comes from a `random.Random` of the seed; the loss covers answer tokens only
+(the value and what ends it), as everything else is random bindings.
 
-Layers [S, F, S, S, F, S, S, F], a 16-token window, sliding head size 32, full head size 64; the last 3 layers
-are KV-sharing consumers: 5 and 6 read layer 3's sliding KV, 7 reads layer 4's full KV. Values sit 16 to 250
-tokens before the question, so only full attention can fetch them, and training puts that lookup in layer 7:
-for the first 80% of the steps the full layers that own KV (1 and 4) see only the window, so the lookup can
-only be learned where it is most fragile, in the consumer reading layer 4's KV. Then they train unrestricted.
-A consumer that reads the wrong layer, or a full layer cut to the window, then gets almost every answer wrong.
+Layers [S, F, S, S, F, S, S, F], a 16-token window, sliding head size 32, full head size 64, 4096 positions; the
+last 3 layers are KV-sharing consumers: 5 and 6 read layer 3's sliding KV, 7 reads layer 4's full KV.
 
-Training also grows the contexts (2-4 bindings and 0-2 notes at first, the held-out ranges after a third of the
-steps) and starts the post-attention/MLP norms at 0.1 and the attention logits near unit scale: without these
-the lookup is not found within the budget.
+Phase 1 (raw text, 1500 steps): values sit 16 to 250 tokens before the question, so only full attention can
+fetch them, and training puts that lookup in layer 7: for the first 80% of the steps the full layers that own KV
+(1 and 4) see only the window, so the lookup can only be learned where it is most fragile, in the consumer
+reading layer 4's KV. Then they train unrestricted. A consumer that reads the wrong layer, or a full layer cut to
+the window, then gets almost every answer wrong. Training also grows the contexts (2-4 bindings and 0-2 notes at
+first, the held-out ranges after a third of the steps) and starts the post-attention/MLP norms at 0.1 and the
+attention logits near unit scale: without these the lookup is not found within the budget.
+
+Phase 2 (chats, scripts/default_model_chat.py): the turn markers join the vocabulary, and steps mix raw texts
+with chats after 0-5 solved shots (lm-eval's few-shot shape, up to ~1200 tokens), the KV owners windowed again
+for most of the steps so that the lookup stays in layer 7.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import math
 import random
 import time
 from pathlib import Path
 
 import torch
+from default_model_chat import CHAT_TEMPLATE, END, add_turn_tokens, make_chat_batch  # scripts/default_model_chat.py
 from eval_hf import evaluate, windowed  # scripts/eval_hf.py
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig, GenerationConfig, PreTrainedTokenizerFast
@@ -42,6 +50,7 @@ DEFAULT_OUT = ROOT / "hybridkv" / "assets" / "default-model"
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0..3, Gemma's pad/eos/bos ids
 HELDOUT_SEED, HELDOUT_SIZE = 1234, 256
 S, F = "sliding_attention", "full_attention"
+MAX_POSITIONS = 4096  # the chat phase's model: five shots and a question are ~1200 tokens
 
 
 def train_tokenizer(
@@ -184,35 +193,17 @@ def kv_owning_full_layers(config: Gemma4TextConfig) -> set[int]:
     return {i for i, t in enumerate(config.layer_types) if t == F and modes[i] != "reuse"}
 
 
-# The model is trained on raw kv_recall prompts, not dialogues: a chat renders its turns' text as that prompt.
-CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+# The GDN model (scripts/train_gdn_model.py) is trained on raw prompts only: a chat renders as its turns' text.
+CONCAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--grow", type=float, default=1 / 3, help="fraction of steps over which contexts grow")
-    ap.add_argument("--owners-windowed", type=float, default=0.8, help="fraction of steps with KV owners windowed")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--eval-every", type=int, default=100)
-    args = ap.parse_args()
-
-    torch.set_num_threads(args.threads)
+def raw_phase(args, tok: PreTrainedTokenizerFast, t0: float) -> Gemma4ForCausalLM:
+    """Phase 1: kv_recall as raw text, the lookup forced into the consumer layer 7 for most of the steps."""
     torch.manual_seed(args.seed)
-    t0 = time.perf_counter()
-    tok = train_tokenizer(args.seed)
     model = Gemma4ForCausalLM(model_config(len(tok), args.hidden, args.intermediate))
     init_weights(model)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tokenizer: {len(tok)} tokens; model: {n_params / 1e6:.2f}M parameters", flush=True)
-
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05)
     data_rng, val_rng = random.Random(args.seed), random.Random(args.seed + 1)
     val = [make_batch(val_rng, tok, 32) for _ in range(2)]
@@ -228,19 +219,94 @@ def main() -> None:
         loss = train_step(model, opt, *make_batch(data_rng, tok, args.batch, step / (args.grow * args.steps)))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             report(model, val, "step", step + 1, loss, t0)
+    restricted.close()
+    return model
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.eval().save_pretrained(args.out)
-    newline = tok.convert_tokens_to_ids("Ċ")
-    GenerationConfig(
-        bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id, newline], pad_token_id=tok.pad_token_id
-    ).save_pretrained(args.out)
+
+def chat_phase(args, tok: PreTrainedTokenizerFast, model: Gemma4ForCausalLM, t0: float) -> Gemma4ForCausalLM:
+    """Phase 2: the turn markers join the vocabulary; steps mix raw texts (a `--chat-raw` share) and chats after
+    0-5 shots; the KV-owning full layers stay windowed for the first `--owners-windowed` of the steps again."""
+    model = add_turn_tokens(tok, model, args.seed)
+    model.config.max_position_embeddings = tok.model_max_length = MAX_POSITIONS
+    opt = torch.optim.AdamW(model.parameters(), lr=args.chat_lr, betas=(0.9, 0.98), weight_decay=0.05)
+    data_rng, val_rng = random.Random(args.seed + 2), random.Random(args.seed + 3)
+    vals = {"raw": [make_batch(val_rng, tok, 32)]}
+    vals |= {f"chat{k}": [make_chat_batch(val_rng, tok, 16, k)] for k in (0, 5)}
+    owners = kv_owning_full_layers(model.config)
+    restricted = contextlib.ExitStack()
+    restricted.enter_context(windowed(owners, model.config.sliding_window))
+    for step in range(args.chat_steps):
+        if step == int(args.owners_windowed * args.chat_steps):
+            restricted.close()
+            print(f"chat {step:5d}  full layers {sorted(owners)} see the whole context from here", flush=True)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.chat_steps, args.chat_lr, args.warmup)
+        if data_rng.random() < args.chat_raw:
+            batch = make_batch(data_rng, tok, args.batch)
+        else:
+            shots, family = data_rng.randint(0, 5), data_rng.random() < args.chat_family
+            batch = make_chat_batch(data_rng, tok, args.chat_batch, shots, family)
+        loss = train_step(model, opt, *batch)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.chat_steps:
+            for name, val in vals.items():
+                report(model, val, f"chat {name:<5}", step + 1, loss, t0)
+    restricted.close()
+    return model
+
+
+def save(model: Gemma4ForCausalLM, tok: PreTrainedTokenizerFast, out: Path, chat_template: str | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.eval().save_pretrained(out)
+    stops = [tok.eos_token_id, tok.convert_tokens_to_ids("Ċ")]  # EOS, newline
+    if chat_template:
+        stops.append(tok.convert_tokens_to_ids(END))
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=stops, pad_token_id=tok.pad_token_id).save_pretrained(
+        out
+    )
     tok.backend_tokenizer.no_padding()  # batching turned it on; a served tokenizer should not pad
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(args.out)
-    kv_recall.write_jsonl(args.out / "heldout.jsonl", kv_recall.make_items(HELDOUT_SIZE, HELDOUT_SEED))
+    tok.chat_template = chat_template or CONCAT_TEMPLATE
+    tok.save_pretrained(out)
+    kv_recall.write_jsonl(out / "heldout.jsonl", kv_recall.make_items(HELDOUT_SIZE, HELDOUT_SEED))
+    kv_recall.write_jsonl(out / "fewshot.jsonl", kv_recall.fewshot_pool())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=1500, help="raw phase steps")
+    ap.add_argument("--batch", type=int, default=16, help="raw texts per batch")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--grow", type=float, default=1 / 3, help="fraction of steps over which contexts grow")
+    ap.add_argument("--owners-windowed", type=float, default=0.8, help="fraction of steps with KV owners windowed")
+    ap.add_argument("--chat-steps", type=int, default=600, help="chat phase steps")
+    ap.add_argument("--chat-batch", type=int, default=8, help="chats per batch")
+    ap.add_argument("--chat-lr", type=float, default=1e-3)
+    ap.add_argument("--chat-raw", type=float, default=0.25, help="share of chat phase steps on raw texts")
+    ap.add_argument("--chat-family", type=float, default=0.5, help="share of chats whose codes share prefixes")
+    ap.add_argument("--save-raw", type=Path, help="also save the raw phase's model here")
+    ap.add_argument("--raw-from", type=Path, help="skip the raw phase: start from a --save-raw folder")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--intermediate", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval-every", type=int, default=100)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    tok = train_tokenizer(args.seed)
+    if args.raw_from:
+        model = Gemma4ForCausalLM.from_pretrained(args.raw_from, dtype=torch.float32)
+        print(f"raw phase from {args.raw_from}", flush=True)
+    else:
+        model = raw_phase(args, tok, t0)
+        if args.save_raw:
+            save(model, copy.deepcopy(tok), args.save_raw, None)
+    model = chat_phase(args, tok, model, t0)
+    save(model, tok, args.out, CHAT_TEMPLATE)
     print(f"trained and saved to {args.out} in {time.perf_counter() - t0:.0f}s", flush=True)
-    evaluate(args.out, args.out / "heldout.jsonl", ["normal", "wrong-kv", "windowed"])
+    evaluate(args.out, args.out / "heldout.jsonl", ["normal", "wrong-kv", "windowed"], chat_shots=(0, 5))
     print(f"total {time.perf_counter() - t0:.0f}s", flush=True)
 
 

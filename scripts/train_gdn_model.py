@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 from eval_hf import accuracy, load, windowed  # scripts/eval_hf.py
 from train_default_model import (  # scripts/train_default_model.py
-    CHAT_TEMPLATE,
+    CONCAT_TEMPLATE,
     HELDOUT_SEED,
     HELDOUT_SIZE,
     lr_at,
@@ -235,7 +235,7 @@ def save(model, tok, out: Path) -> None:
         bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id, newline], pad_token_id=tok.pad_token_id
     ).save_pretrained(out)
     tok.backend_tokenizer.no_padding()  # batching turned it on; a served tokenizer should not pad
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = CONCAT_TEMPLATE
     tok.save_pretrained(out)
     kv_recall.write_jsonl(out / "heldout.jsonl", kv_recall.make_items(HELDOUT_SIZE, HELDOUT_SEED))
 

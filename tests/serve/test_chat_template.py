@@ -8,8 +8,8 @@ from hybridkv.serve.chat import render_chat
 MESSAGES = [{"role": "user", "content": "Q: what is mat?"}]
 
 
-def test_embedded_model_renders_the_user_turn_as_its_prompt():
-    assert render_chat(str(DEFAULT_MODEL_DIR), MESSAGES) == "Q: what is mat?"
+def test_embedded_model_renders_turn_markers_and_the_generation_prompt():
+    assert render_chat(str(DEFAULT_MODEL_DIR), MESSAGES) == "<|user|>Q: what is mat?<|model|>"
 
 
 def test_template_file_config_string_named_list_and_fallback(tmp_path):

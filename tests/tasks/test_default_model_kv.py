@@ -1,5 +1,6 @@
 """The embedded model answers only if every KV read is right: our engine scores it >= 0.95 in both layouts and
-with prefix caching, on raw prompts and as 5-shot chats, and two deliberate KV bugs cost at least 0.3 each."""
+with prefix caching, on raw prompts and as 5-shot chats, and three deliberate KV bugs cost at least 0.3 each (the
+fourth, a decoder reading another request's blocks, is in tests/pd/test_kv_bug_detection.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from hybridkv.evals import chat_prompts
+from hybridkv.kv.spec import SlidingWindowSpec
 from hybridkv.runner import attention
 from hybridkv.tasks.kv_recall import read_jsonl, score
 
@@ -70,3 +72,19 @@ def test_full_attention_limited_to_the_window_fails(baseline, monkeypatch):
 
     monkeypatch.setattr(attention.GroupMetadata, "build", staticmethod(windowed))
     assert accuracy(llm) <= baseline - 0.3
+
+
+def test_a_sliding_group_one_block_short_fails(monkeypatch):
+    """Sliding groups free a block one step early (first_needed_block off by one): the decode steps find the null
+    block where their window's oldest block was. On 5-shot chats, the seed's shape (raw prompts lose ~0.25)."""
+    shape = "chat 5-shot"
+    if shape not in SHAPES:
+        pytest.skip("the model folder has no fewshot.jsonl")
+    single = accuracy(LLM(str(MODEL)), shape)
+    first = SlidingWindowSpec.first_needed_block
+
+    def one_early(spec: SlidingWindowSpec, num_tokens: int) -> int:
+        return first(spec, num_tokens) + (num_tokens >= spec.sliding_window)
+
+    monkeypatch.setattr(SlidingWindowSpec, "first_needed_block", one_early)
+    assert accuracy(LLM(str(MODEL)), shape) <= single - 0.3
