@@ -193,6 +193,30 @@ def kv_owning_full_layers(config: Gemma4TextConfig) -> set[int]:
     return {i for i, t in enumerate(config.layer_types) if t == F and modes[i] != "reuse"}
 
 
+class OwnersWindowed:
+    """The KV-owning full layers attend under the sliding window for the first `until` steps, then see the whole
+    context (`at(step)` lifts it when `step` reaches `until`; `close()` lifts it in any case)."""
+
+    def __init__(self, config: Gemma4TextConfig, until: int, label: str) -> None:
+        self.owners, self.until, self.label = kv_owning_full_layers(config), until, label
+        self.stack = contextlib.ExitStack()
+        self.stack.enter_context(windowed(self.owners, config.sliding_window))
+
+    def at(self, step: int) -> None:
+        if step == self.until:
+            self.stack.close()
+            lifted = f"full layers {sorted(self.owners)} see the whole context from here"
+            print(f"{self.label} {step:5d}  {lifted}", flush=True)
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
 # The GDN model (scripts/train_gdn_model.py) is trained on raw prompts only: a chat renders as its turns' text.
 CONCAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
@@ -207,15 +231,10 @@ def raw_phase(args, tok: PreTrainedTokenizerFast, t0: float) -> Gemma4ForCausalL
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05)
     data_rng, val_rng = random.Random(args.seed), random.Random(args.seed + 1)
     val = [make_batch(val_rng, tok, 32) for _ in range(2)]
-    owners = kv_owning_full_layers(model.config)
-    restricted = contextlib.ExitStack()
-    restricted.enter_context(windowed(owners, model.config.sliding_window))
+    restricted = OwnersWindowed(model.config, int(args.owners_windowed * args.steps), "step")
     for step in range(args.steps):
-        if step == int(args.owners_windowed * args.steps):
-            restricted.close()
-            print(f"step {step:5d}  full layers {sorted(owners)} see the whole context from here", flush=True)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        restricted.at(step)
+        set_lr(opt, lr_at(step, args.steps, args.lr, args.warmup))
         loss = train_step(model, opt, *make_batch(data_rng, tok, args.batch, step / (args.grow * args.steps)))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             report(model, val, "step", step + 1, loss, t0)
@@ -232,15 +251,10 @@ def chat_phase(args, tok: PreTrainedTokenizerFast, model: Gemma4ForCausalLM, t0:
     data_rng, val_rng = random.Random(args.seed + 2), random.Random(args.seed + 3)
     vals = {"raw": [make_batch(val_rng, tok, 32)]}
     vals |= {f"chat{k}": [make_chat_batch(val_rng, tok, 16, k)] for k in (0, 5)}
-    owners = kv_owning_full_layers(model.config)
-    restricted = contextlib.ExitStack()
-    restricted.enter_context(windowed(owners, model.config.sliding_window))
+    restricted = OwnersWindowed(model.config, int(args.owners_windowed * args.chat_steps), "chat")
     for step in range(args.chat_steps):
-        if step == int(args.owners_windowed * args.chat_steps):
-            restricted.close()
-            print(f"chat {step:5d}  full layers {sorted(owners)} see the whole context from here", flush=True)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.chat_steps, args.chat_lr, args.warmup)
+        restricted.at(step)
+        set_lr(opt, lr_at(step, args.chat_steps, args.chat_lr, args.warmup))
         if data_rng.random() < args.chat_raw:
             batch = make_batch(data_rng, tok, args.batch)
         else:
