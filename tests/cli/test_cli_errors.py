@@ -22,7 +22,7 @@ runner = CliRunner()
         (["eval", "--chat", "--num-fewshot", "9"], "--num-fewshot"),
         (["generate", "--model", "/nonexistent"], "--model needs --prompt"),
         (["generate", "--prompt", "hi", "--max-model-len", "1"], "max_model_len must be >= 2"),
-        (["bench", "throughput", "--input-len", "600"], "max_position_embeddings"),
+        (["bench", "throughput", "--input-len", "5000"], "max_position_embeddings"),
     ],
 )
 def test_bad_flags(args, text):
