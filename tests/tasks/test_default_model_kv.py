@@ -87,4 +87,6 @@ def test_a_sliding_group_one_block_short_fails(monkeypatch):
         return first(spec, num_tokens) + (num_tokens >= spec.sliding_window)
 
     monkeypatch.setattr(SlidingWindowSpec, "first_needed_block", one_early)
-    assert accuracy(LLM(str(MODEL)), shape) <= single - 0.3
+    short = accuracy(LLM(str(MODEL)), shape)
+    print(f"sliding group one block short, {shape}: {short:.3f} against {single:.3f}")
+    assert short <= single - 0.3
