@@ -54,7 +54,7 @@ def model(request, mesh):
         folder, prompts = str(DEFAULT_MODEL_DIR), embedded_prompts()
     else:
         folder, prompts = str(request.getfixturevalue("tiny_gemma4")), gemma_prompts()
-    llm = LLM(folder, kv_cache_memory="4MiB", enable_prefix_caching=False)
+    llm = LLM(folder, kv_cache_memory="4MiB", max_model_len=512, enable_prefix_caching=False)
     return folder, prompts, outputs(llm, prompts)
 
 
@@ -64,6 +64,7 @@ def outputs(llm: LLM, prompts) -> list[list[int]]:
 
 def offload_llm(folder: str, layout: str, **kw) -> LLM:
     kw.setdefault("kv_cache_memory", "4MiB")
+    kw.setdefault("max_model_len", 512)
     if "kv_transfer_config" not in kw:
         kw.setdefault("kv_offload_cpu", "32MiB")
     return LLM(folder, kv_layout=layout, **kw)
@@ -266,7 +267,7 @@ def test_a_busy_batch_under_pressure_matches_scratch(tmp_path):
     base = Tokenizer(DEFAULT_MODEL_DIR).encode(embedded_prompts()[0])[:96]
     prompts = [base + [rng.randrange(4, 300) for _ in range(rng.randrange(5, 60))] for _ in range(5)]
     prompts += prompts[:2]  # the same prompt twice in one batch
-    expected = outputs(LLM(kv_cache_memory="4MiB", enable_prefix_caching=False), prompts)
+    expected = outputs(LLM(kv_cache_memory="4MiB", max_model_len=512, enable_prefix_caching=False), prompts)
     slot = 32 << 10  # one block of the embedded model
     kw = dict(kv_offload_cpu=24 * slot, kv_offload_disk=f"{tmp_path}:64MiB", kv_cache_memory=40 * slot)
     llm = offload_llm(str(DEFAULT_MODEL_DIR), "packed", max_model_len=256, **kw)
