@@ -20,7 +20,7 @@ class Untouchable:
 
 def test_metrics_render_the_published_snapshot_only():
     engine = LLMEngine(EngineConfig(model=str(DEFAULT_MODEL_DIR), kv_cache_memory="8MiB", max_model_len=256))
-    engine.add_request("the quick brown fox", SamplingParams(max_tokens=3, temperature=0))
+    engine.add_request("the quick brown fox", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
     served = AsyncEngine(engine)
