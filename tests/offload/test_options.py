@@ -58,7 +58,8 @@ def test_flags_build_the_vllm_shaped_config_and_pack_the_layout():
         "disk_bytes": 1 << 30,
         "enable_cross_layers_blocks": True,
     }
-    assert LLM(kv_offload_cpu="4MiB", kv_cache_memory="4MiB", max_model_len=512).engine.plan.layout == "packed"  # auto packs
+    auto = LLM(kv_offload_cpu="4MiB", kv_cache_memory="4MiB", max_model_len=512)
+    assert auto.engine.plan.layout == "packed"  # auto packs
     off = {"enable_cross_layers_blocks": False}
     llm = LLM(kv_offload_cpu="4MiB", kv_cache_memory="4MiB", max_model_len=512, kv_connector_extra_config=off)
     assert llm.engine.plan.layout == "per_layer"  # the user's choice wins
