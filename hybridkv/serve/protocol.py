@@ -26,6 +26,11 @@ STRICT = ConfigDict(strict=True)  # no coercion: `max_tokens: true` or `"seed": 
 UNSUPPORTED = ("response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
                "suffix", "audio", "modalities", "prediction", "web_search_options", "guided_json", "guided_regex",
                "guided_choice", "guided_grammar", "structured_outputs")  # fmt: skip
+# Fields routers add to every request they forward (vllm-router and SGLang's router send SGLang's sampling
+# extras): they change nothing we compute, so they are ignored at DEBUG, not warned about once per request.
+ROUTER_FIELDS = frozenset(("no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens",
+                           "separate_reasoning", "stream_reasoning", "return_hidden_states", "session_params",
+                           "lora_path", "bootstrap_host", "bootstrap_port", "bootstrap_room", "rid"))  # fmt: skip
 
 
 class StreamOptions(BaseModel):
@@ -152,6 +157,9 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     if refused:
         raise APIError(400, f"{refused[0]} is not supported by this server", param=refused[0])
     ignored = sorted(k for k in extra if k not in UNSUPPORTED)
-    if ignored:
-        logger.warning("request fields ignored (not supported): %s", ", ".join(ignored))
+    unknown = [k for k in ignored if k not in ROUTER_FIELDS]
+    if unknown:
+        logger.warning("request fields ignored (not supported): %s", ", ".join(unknown))
+    elif ignored:
+        logger.debug("router fields ignored: %s", ", ".join(ignored))
     return parsed
