@@ -121,8 +121,11 @@ def test_admin_is_off_unless_asked_and_docs_need_the_key(tiny_gemma4):
     try:
         assert client.get("/admin/kv").status_code == 404
         guarded = TestClient(build_app(engine, "tiny", api_key="k3y", enable_admin=True))
-        for route in ("/admin/kv", "/docs", "/openapi.json", "/metrics"):
+        for route in ("/admin/kv", "/docs", "/openapi.json"):
             assert guarded.get(route).status_code == 401, route
+        assert guarded.get("/metrics").status_code == 200  # open to scrapers, as in vLLM
+        scraped = TestClient(build_app(engine, "tiny", api_key="k3y", api_key_metrics=True))
+        assert scraped.get("/metrics").status_code == 401
         assert guarded.get("/admin/kv", headers={"authorization": "Bearer k3y"}).json()["integrity"] == "ok"
         assert guarded.get("/health").status_code == 200
     finally:
