@@ -191,7 +191,7 @@ class Scheduler:
             if ok:
                 req.num_computed_tokens += req.num_external_tokens
                 self.stats.external_hit_tokens += req.num_external_tokens
-                self.kv.cache_blocks(rid, req.block_hashes, self.chunking.publishable(req, req.num_computed_tokens))
+                self._cache_blocks(req, self.chunking.publishable(req, req.num_computed_tokens))
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 continue
@@ -212,6 +212,12 @@ class Scheduler:
             self.kv.free(rid)
         return failed
 
+    def _cache_blocks(self, req: Request, num_tokens: int) -> None:
+        """Publish the request's full blocks among its first `num_tokens` tokens (its tokens only when KV events
+        need them: `all_token_ids` copies them)."""
+        tokens = req.all_token_ids if self.kv.events is not None else ()
+        self.kv.cache_blocks(req.request_id, req.block_hashes, num_tokens, tokens)
+
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Record a step: computed tokens and sampled tokens. Returns the requests that got a token, in step
         order; whether one finished with it is the engine's to say (`finish`)."""
@@ -222,7 +228,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             req.num_computed_tokens += len(chunk.token_ids)
             publish = self.chunking.publishable(req, req.num_computed_tokens)
-            self.kv.cache_blocks(req.request_id, req.block_hashes, publish)
+            self._cache_blocks(req, publish)
             if self.connector is not None:
                 self.connector.blocks_computed(req, self.kv.block_ids(req.request_id), publish)
             if not chunk.sample:
