@@ -25,7 +25,7 @@ from hybridkv.engine.stats import EngineStats
 from hybridkv.engine.tokenizer import Tokenizer, eos_token_ids
 from hybridkv.events.publisher import ZmqEventPublisher
 from hybridkv.kv.coordinator import KVCacheCoordinator
-from hybridkv.kv.events import KVEventLog
+from hybridkv.kv.events import MEDIUM_GPU, KVEventLog
 from hybridkv.kv.layout import cross_layers_enabled
 from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
 from hybridkv.kv.planner import CacheConfig, plan_kv_cache
@@ -80,6 +80,8 @@ class LLMEngine:
             identity = EngineIdentity(uuid.uuid4().hex, model_fingerprint(config.model), config.dtype)
             self.connector = CONNECTORS[config.kv_transfer_config.kv_connector](config.kv_transfer_config, identity)
             self.connector.register(self.plan, self.runner.memory)
+            if self.kv_events is not None:
+                self.connector.set_kv_events(self.kv_events)
         chunking = FreeChunks()
         if self.plan.state is not None:
             chunking = ExactChunks(self.plan.state.align, config.state_checkpoints)
@@ -183,16 +185,23 @@ class LLMEngine:
 
     def kv_events_state(self) -> dict[str, Any] | None:
         """What KV events reported so far (/admin/kv): the last batch number, the batches lost, and per medium and
-        group the cached block hashes (hex) that replaying every batch yields. None without KV events. Call it on
-        the thread that steps the engine, after `step()` returned (its records are published by then)."""
+        group the hashes (hex) the tier holds. Call it on the thread that steps the engine: it publishes what is
+        pending first, so replaying batches [0, last_seq] yields `cached` (exactly, while no offload load or store
+        is in flight on another thread). None without KV events."""
         if self.kv_publisher is None:
             return None
+        self._publish_kv_events()  # records an offload thread logged since the last step
+        tiers = {MEDIUM_GPU: self.kv.pool.cached_hashes()}
+        if self.connector is not None:
+            tiers |= self.connector.kv_event_tiers()
         p = self.kv_publisher
-        cached = {str(g): sorted(h.hex() for h in hs) for g, hs in sorted(self.kv.pool.cached_hashes().items())}
         return {
             "last_seq": p.last_seq,
             "dropped_batches": p.queue_full_drops + p.send_failures,
-            "cached": {"GPU": cached},
+            "cached": {
+                medium: {str(g): sorted(h.hex() for h in hs) for g, hs in sorted(groups.items())}
+                for medium, groups in tiers.items()
+            },
         }
 
     def stats(self, check_integrity: bool = False) -> EngineStats:

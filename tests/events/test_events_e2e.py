@@ -129,7 +129,7 @@ def complete(p: Process, prompts: list[list[int]]) -> None:
 def serve(pub: int, replay: int, *extra: str) -> Process:
     config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}",
               "topic": TOPIC.decode()}  # fmt: skip
-    return Process("serve", *ENGINE, "--kv-events-config", json.dumps(config), *extra)
+    return Process("serve", *ENGINE, "--kv-events-config", json.dumps(config), *extra, timeout=300)
 
 
 @pytest.fixture
@@ -174,5 +174,37 @@ def test_subscribers_rebuild_exactly_the_cached_blocks_the_engine_reports(ctx):
         assert kinds == {(0, "full_attention", None), (1, "sliding_window", 16)}
         assert {e["medium"] for e in stored + removed} == {"GPU"}
         assert httpx.get(f"{p.url}/health", timeout=10).status_code == 200
+    finally:
+        p.stop()
+
+
+def test_the_cpu_offload_tier_reports_its_blocks_with_medium_cpu(ctx):
+    """With --kv-offload-cpu, blocks stored to CPU memory come as medium "CPU" (vLLM's name), evicted ones go, and a
+    prompt loaded back from the tier is what the subscriber still sees there."""
+    rng = random.Random(1)
+    pub, replay = free_port(), free_port()
+    # The device holds 63 blocks (about 31 block positions per group), the CPU tier 128 (64 positions).
+    p = serve(pub, replay, "--kv-cache-memory", "2MiB", "--max-model-len", "256", "--kv-offload-cpu", "4MiB")
+    try:
+        sub = Subscriber(ctx, pub, replay)
+        first = [rng.randrange(4, 400) for _ in range(200)]
+
+        def distinct_round() -> None:
+            complete(p, [[rng.randrange(4, 400) for _ in range(rng.randrange(180, 240))] for _ in range(3)])
+
+        complete(p, [first])
+        distinct_round()  # `first` leaves the device but stays in the CPU tier
+        complete(p, [first[:160] + [7] * 40])  # its first 10 blocks load back from the CPU tier
+        distinct_round()  # the CPU tier evicts too
+        last_seq, engine_cached = reported(p)
+        sub.drain(last_seq)
+        sub.fetch_missed()
+        assert sub.cached() == engine_cached
+        assert {m for m, _ in engine_cached} == {"GPU", "CPU"}
+        check_chains(sub.events("BlockStored"))
+        cpu_removed = [e for e in sub.events("BlockRemoved") if e["medium"] == "CPU"]
+        assert cpu_removed, "the CPU tier evicted nothing: make the run bigger"
+        connector = httpx.get(f"{p.url}/admin/kv", timeout=30).json()["connector"]
+        assert connector["kv_offload_cpu_to_device_blocks_total"] > 0  # a load from the tier happened
     finally:
         p.stop()

@@ -93,7 +93,8 @@ def test_live_batches_carry_topic_seq_and_vllms_schema(pub, endpoints, ctx):
         "group_idx": 0,
         "kv_cache_spec_kind": "full_attention",
     }
-    assert events[1]["kv_cache_spec_kind"] == "sliding_window" and events[1]["kv_cache_spec_sliding_window"] == 64
+    assert (events[1]["group_idx"], events[1]["kv_cache_spec_kind"], events[1]["kv_cache_spec_sliding_window"]) == (
+        1, "sliding_window", 64)  # fmt: skip
     _, events, _ = msgpack.unpackb(got[1][2])
     assert events == [
         {"type": "BlockRemoved", "block_hashes": [external_hash(h(0))], "medium": "GPU", "group_idx": 1},
