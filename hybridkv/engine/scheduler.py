@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,19 @@ from hybridkv.request.state import Request, RequestStatus
 
 if TYPE_CHECKING:
     from hybridkv.connectors.base import ConnectorEvents, KVConnector
+
+
+class _Tokens(Sequence[int]):
+    """A request's tokens, copied only when sliced (a KV event for a newly full block), not on every step."""
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+
+    def __len__(self) -> int:
+        return self.req.num_tokens
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return self.req.all_token_ids[index]
 
 
 @dataclass
@@ -213,9 +227,9 @@ class Scheduler:
         return failed
 
     def _cache_blocks(self, req: Request, num_tokens: int) -> None:
-        """Publish the request's full blocks among its first `num_tokens` tokens (its tokens only when KV events
-        need them: `all_token_ids` copies them)."""
-        tokens = req.all_token_ids if self.kv.events is not None else ()
+        """Publish the request's full blocks among its first `num_tokens` tokens (with its tokens when KV events
+        report them)."""
+        tokens = _Tokens(req) if self.kv.events is not None else ()
         self.kv.cache_blocks(req.request_id, req.block_hashes, num_tokens, tokens)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
