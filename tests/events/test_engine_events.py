@@ -33,7 +33,10 @@ def test_each_step_that_changes_the_cache_is_one_batch(llm):
         sub.connect(llm.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, b"t")
         time.sleep(0.3)
-        llm.generate([PROMPT], GREEDY)
+        llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        # The prefill stored blocks 0-5 and the decode step that computed token 112 block 6: two batches, each sent
+        # when its step ended (not when someone asked).
+        assert llm.engine.kv_publisher.last_seq == 1
         state = llm.engine.kv_events_state()
         cached: dict[int, set[int]] = {}
         seqs = []
@@ -45,7 +48,7 @@ def test_each_step_that_changes_the_cache_is_one_batch(llm):
                 cached.setdefault(e["group_idx"], set()).update(e["block_hashes"])
         assert seqs == list(range(state["last_seq"] + 1))
         expected = {int(g): {int(x[-16:], 16) for x in hs} for g, hs in state["cached"]["GPU"].items()}
-        assert cached == expected and len(expected[0]) == 6
+        assert cached == expected and len(expected[0]) == 7
     finally:
         ctx.destroy(linger=0)
 

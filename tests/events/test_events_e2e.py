@@ -150,6 +150,7 @@ def test_subscribers_rebuild_exactly_the_cached_blocks_the_engine_reports(ctx):
         for n in (40, 70, 25):
             complete(p, [shared + [rng.randrange(4, 400) for _ in range(n)]])
         first_seq, _ = reported(p)
+        assert first_seq >= 3  # a batch per step that changed the cache, sent as the step ended
         late = Subscriber(ctx, pub, replay)
         # Round 2: enough distinct prompts to evict round 1 from 127 blocks shared by two groups.
         for _ in range(4):
