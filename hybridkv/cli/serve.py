@@ -46,6 +46,13 @@ def serve(
         str | None,
         typer.Option(help="and on to disk: DIR:SIZE, e.g. /var/cache/hybridkv:20GiB (kept across restarts)"),
     ] = None,
+    kv_events_config: Annotated[
+        str | None,
+        typer.Option(
+            help="publish KV cache events for KV-aware routers (vLLM's keys), e.g. '{\"enable_kv_cache_events\":true,"
+            '"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558","topic":"kv-events"}\''
+        ),
+    ] = None,
     state_checkpoints: Annotated[
         str,
         typer.Option(
@@ -83,6 +90,7 @@ def serve(
                 kv_transfer_config=kv_transfer_config,
                 kv_offload_cpu=kv_offload_cpu,
                 kv_offload_disk=kv_offload_disk,
+                kv_events_config=kv_events_config,
                 state_checkpoints=state_checkpoints,
             )
         )

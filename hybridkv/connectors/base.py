@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridkv.kv.events import KVEventLog
+from hybridkv.kv.hashing import BlockHash
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
 from hybridkv.request.state import Request, RequestStatus
@@ -164,6 +166,14 @@ class KVConnector:
     def dead_threads(self) -> list[str]:
         """Names of the connector's background threads that have died (the server reports itself unhealthy)."""
         return []
+
+    def set_kv_events(self, events: KVEventLog) -> None:
+        """KV events are on: a connector with a cache tier of its own logs the blocks that enter and leave it
+        (with the tier's `medium`), from any of its threads. Called once after `register`."""
+
+    def kv_event_tiers(self) -> dict[str, dict[int, list[BlockHash]]]:
+        """Medium -> group -> the hashes its tier holds now, as its KV events report them (/admin/kv)."""
+        return {}
 
     def metrics(self) -> dict[str, float]:
         """Counters and gauges for /metrics (names without the hybridkv_ prefix)."""

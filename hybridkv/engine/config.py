@@ -10,6 +10,7 @@ import hybridkv.connectors  # noqa: F401  (registers the connectors)
 from hybridkv.connectors.base import KVTransferConfig
 from hybridkv.connectors.offload.config import CONNECTOR_NAME, OffloadConfig, offload_transfer_config
 from hybridkv.engine.chunking import CHECKPOINT_POLICIES
+from hybridkv.events.config import KVEventsConfig
 from hybridkv.kv.layout import KV_LAYOUTS
 from hybridkv.units import parse_bytes
 
@@ -36,6 +37,8 @@ class EngineConfig:
     # Offloading to CPU memory ("4GiB") and disk ("DIR:20GiB"): shorthand for the OffloadingConnector.
     kv_offload_cpu: int | str | None = None
     kv_offload_disk: str | None = None
+    # vLLM's --kv-events-config: publish the KV cache's stored/removed blocks for KV-aware routers.
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:
@@ -61,6 +64,8 @@ class EngineConfig:
             object.__setattr__(self, "kv_transfer_config", offload)
         if self.kv_transfer_config is not None and not isinstance(self.kv_transfer_config, KVTransferConfig):
             object.__setattr__(self, "kv_transfer_config", KVTransferConfig.parse(self.kv_transfer_config))
+        if self.kv_events_config is not None and not isinstance(self.kv_events_config, KVEventsConfig):
+            object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         if self.kv_transfer_config is not None and self.kv_transfer_config.kv_connector == CONNECTOR_NAME:
             OffloadConfig.from_transfer_config(self.kv_transfer_config)  # bad options fail before the model loads
 

@@ -23,7 +23,9 @@ from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
 from hybridkv.engine.stats import EngineStats
 from hybridkv.engine.tokenizer import Tokenizer, eos_token_ids
+from hybridkv.events.publisher import ZmqEventPublisher
 from hybridkv.kv.coordinator import KVCacheCoordinator
+from hybridkv.kv.events import MEDIUM_GPU, KVEventLog
 from hybridkv.kv.layout import cross_layers_enabled
 from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
 from hybridkv.kv.planner import CacheConfig, plan_kv_cache
@@ -66,14 +68,20 @@ class LLMEngine:
                 f"max_num_batched_tokens={config.max_num_batched_tokens} is below {self.plan.state.align}, the unit "
                 "a recurrent-state prefill is split in (block size and scan chunk): raise it to at least that"
             )
+        events = config.kv_events_config
+        self.kv_events: KVEventLog | None = KVEventLog() if events is not None and events.enabled else None
         self.model = load_model(config.model, dtype=config.dtype, device=self.device)
-        self.kv = KVCacheCoordinator(self.plan, enable_prefix_caching=config.enable_prefix_caching)
+        self.kv = KVCacheCoordinator(
+            self.plan, enable_prefix_caching=config.enable_prefix_caching, events=self.kv_events
+        )
         self.runner = ModelRunner(self.model, self.plan, self.device)
         self.connector: KVConnector | None = None
         if config.kv_transfer_config is not None:
             identity = EngineIdentity(uuid.uuid4().hex, model_fingerprint(config.model), config.dtype)
             self.connector = CONNECTORS[config.kv_transfer_config.kv_connector](config.kv_transfer_config, identity)
             self.connector.register(self.plan, self.runner.memory)
+            if self.kv_events is not None:
+                self.connector.set_kv_events(self.kv_events)
         chunking = FreeChunks()
         if self.plan.state is not None:
             chunking = ExactChunks(self.plan.state.align, config.state_checkpoints)
@@ -91,6 +99,10 @@ class LLMEngine:
         self.vocab_size: int = text["vocab_size"]
         self._ids = itertools.count()
         self._texts: dict[str, IncrementalDetokenizer] = {}  # unfinished requests' text and stop rules
+        self.kv_publisher: ZmqEventPublisher | None = None
+        if self.kv_events is not None:  # last: nothing after it can fail and leave its thread and sockets behind
+            groups = {g.group_id: (g.kind, g.sliding_window) for g in self.plan.groups}
+            self.kv_publisher = ZmqEventPublisher(events, groups)
 
     @property
     def max_model_len(self) -> int:
@@ -156,13 +168,41 @@ class LLMEngine:
             self.connector.set_waker(wake)
 
     def dead_threads(self) -> list[str]:
-        """The connector's background threads that died (the server reports itself unhealthy)."""
-        return self.connector.dead_threads() if self.connector is not None else []
+        """The connector's and the KV event publisher's background threads that died (the server reports itself
+        unhealthy; the engine keeps serving, events stop)."""
+        dead = self.connector.dead_threads() if self.connector is not None else []
+        if self.kv_publisher is not None and not self.kv_publisher.alive():
+            dead.append("kv-events")
+        return dead
 
     def shutdown(self) -> None:
-        """Release the connector's threads, sockets and registrations."""
+        """Release the connector's and the KV event publisher's threads, sockets and registrations."""
         if self.connector is not None:
             self.connector.shutdown()
+        if self.kv_publisher is not None:
+            self._publish_kv_events()
+            self.kv_publisher.shutdown()
+
+    def kv_events_state(self) -> dict[str, Any] | None:
+        """What KV events reported so far (/admin/kv): the last batch number, the batches lost, and per medium and
+        group the hashes (hex) the tier holds. Call it on the thread that steps the engine: it publishes what is
+        pending first, so replaying batches [0, last_seq] yields `cached` (exactly, while no offload load or store
+        is in flight on another thread). None without KV events."""
+        if self.kv_publisher is None:
+            return None
+        self._publish_kv_events()  # records an offload thread logged since the last step
+        tiers = {MEDIUM_GPU: self.kv.pool.cached_hashes()}
+        if self.connector is not None:
+            tiers |= self.connector.kv_event_tiers()
+        p = self.kv_publisher
+        return {
+            "last_seq": p.last_seq,
+            "dropped_batches": p.queue_full_drops + p.send_failures,
+            "cached": {
+                medium: {str(g): sorted(h.hex() for h in hs) for g, hs in sorted(groups.items())}
+                for medium, groups in tiers.items()
+            },
+        }
 
     def stats(self, check_integrity: bool = False) -> EngineStats:
         """The one snapshot of counters and gauges (/metrics, /admin/kv); with `check_integrity`, also the KV
@@ -215,7 +255,21 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Poll the connector, then one schedule -> run -> sample -> update. Returns the requests that finished
         in this step: stopped, at their length, or failed (a KV load, their sampling). With nothing to run it
-        only polls (a server calls it when woken while idle: releases, expired leases)."""
+        only polls (a server calls it when woken while idle: releases, expired leases). With KV events, what the
+        caches recorded during the step goes out as one batch."""
+        try:
+            return self._step()
+        finally:
+            if self.kv_publisher is not None:
+                self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        assert self.kv_events is not None and self.kv_publisher is not None
+        events = self.kv_events.drain()
+        if events:
+            self.kv_publisher.publish(events)
+
+    def _step(self) -> list[Request]:
         finished = self._poll_connector()
         output = self.scheduler.schedule()
         if output.is_empty:

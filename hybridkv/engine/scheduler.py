@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,19 @@ from hybridkv.request.state import Request, RequestStatus
 
 if TYPE_CHECKING:
     from hybridkv.connectors.base import ConnectorEvents, KVConnector
+
+
+class _Tokens(Sequence[int]):
+    """A request's tokens, copied only when sliced (a KV event for a newly full block), not on every step."""
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+
+    def __len__(self) -> int:
+        return self.req.num_tokens
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return self.req.all_token_ids[index]
 
 
 @dataclass
@@ -194,7 +208,7 @@ class Scheduler:
             if ok:
                 req.num_computed_tokens += req.num_external_tokens
                 self.stats.external_hit_tokens += req.num_external_tokens
-                self.kv.cache_blocks(rid, req.block_hashes, self.chunking.publishable(req, req.num_computed_tokens))
+                self._cache_blocks(req, self.chunking.publishable(req, req.num_computed_tokens))
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 continue
@@ -215,6 +229,12 @@ class Scheduler:
             self.kv.free(rid)
         return failed
 
+    def _cache_blocks(self, req: Request, num_tokens: int) -> None:
+        """Publish the request's full blocks among its first `num_tokens` tokens (with its tokens when KV events
+        report them)."""
+        tokens = _Tokens(req) if self.kv.events is not None else ()
+        self.kv.cache_blocks(req.request_id, req.block_hashes, num_tokens, tokens)
+
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Record a step: computed tokens and sampled tokens. Returns the requests that got a token, in step
         order; whether one finished with it is the engine's to say (`finish`)."""
@@ -225,7 +245,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             req.num_computed_tokens += len(chunk.token_ids)
             publish = self.chunking.publishable(req, req.num_computed_tokens)
-            self.kv.cache_blocks(req.request_id, req.block_hashes, publish)
+            self._cache_blocks(req, publish)
             if self.connector is not None:
                 self.connector.blocks_computed(req, self.kv.block_ids(req.request_id), publish)
             if not chunk.sample:

@@ -5,12 +5,15 @@ Invariants (checked by `check_integrity`):
 - a block with ref_cnt == 0 is in the free queue; a block with ref_cnt > 0 is not.
 - the free queue is LRU: cached blocks freed last are evicted last; uncached blocks are reused first.
 - a block is in the cache map under key k iff block.key == k.
+- with an event log, every key that enters the cache map is logged as stored by the caller of `cache_block` (which
+  knows the tokens; the pool reports whether the key entered), and every key that leaves it is logged here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from hybridkv.kv.events import AllBlocksCleared, KVEventLog
 from hybridkv.kv.hashing import BlockHash
 
 CacheKey = tuple[BlockHash, int]  # (block hash, group id)
@@ -77,7 +80,7 @@ class FreeBlockQueue:
 class BlockPool:
     """All block ids of a plan. Groups draw from it; a block belongs to one group at a time."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: KVEventLog | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -85,6 +88,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[CacheKey, Block] = {}
         self.enable_caching = enable_caching
+        self.events = events  # None: no KV events (the default; nothing is recorded)
 
     @property
     def num_blocks(self) -> int:
@@ -116,6 +120,8 @@ class BlockPool:
     def _evict(self, block: Block) -> None:
         if block.key is not None:
             del self.cached[block.key]
+            if self.events is not None:
+                self.events.removed(*block.key)
             block.key = None
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -140,15 +146,17 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache_block(self, block: Block, block_hash: BlockHash, group_id: int) -> None:
+    def cache_block(self, block: Block, block_hash: BlockHash, group_id: int) -> bool:
         """Publish a full block under its hash. A key already taken by another block is left alone, so tables
-        stay append-only and the duplicate is freed as an ordinary block."""
+        stay append-only and the duplicate is freed as an ordinary block. True when the key entered the cache."""
         if not self.enable_caching or block is self.null_block or block.key is not None:
-            return
+            return False
         key = (block_hash, group_id)
-        if key not in self.cached:
-            self.cached[key] = block
-            block.key = key
+        if key in self.cached:
+            return False
+        self.cached[key] = block
+        block.key = key
+        return True
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash; returns how many were dropped."""
@@ -156,7 +164,16 @@ class BlockPool:
         for block in self.cached.values():
             block.key = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return n
+
+    def cached_hashes(self) -> dict[int, list[BlockHash]]:
+        """Group id -> the hashes its cached blocks carry (what KV events report as cached on the device)."""
+        out: dict[int, list[BlockHash]] = {}
+        for block_hash, group_id in self.cached:
+            out.setdefault(group_id, []).append(block_hash)
+        return out
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the module docstring is broken."""

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridkv.kv.block_pool import Block, BlockPool
+from hybridkv.kv.events import KVEventLog
 from hybridkv.kv.hashing import BlockHash
 from hybridkv.kv.kinds import manager_for
 from hybridkv.kv.managers import GroupManager
@@ -33,10 +34,11 @@ class PrefixHit:
 class KVCacheCoordinator:
     """Allocates block tables for requests across all KV cache groups of a plan."""
 
-    def __init__(self, plan: KVPlan, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, plan: KVPlan, enable_prefix_caching: bool = True, events: KVEventLog | None = None) -> None:
+        """`events`: where the pool's cached-set changes are logged (KV events); None records nothing."""
         self.plan = plan
         self.block_size = plan.block_size
-        self.pool = BlockPool(plan.num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(plan.num_blocks, enable_caching=enable_prefix_caching, events=events)
         self.managers: list[GroupManager] = [manager_for(g.spec)(g, self.pool) for g in plan.groups]
 
     @property
@@ -101,10 +103,17 @@ class KVCacheCoordinator:
         for m in self.managers:
             m.remove_skipped_blocks(req_id, num_computed_tokens)
 
-    def cache_blocks(self, req_id: str, hashes: Sequence[BlockHash], num_tokens: int) -> None:
-        """Publish the full blocks among the request's first `num_tokens` tokens, in every group."""
+    @property
+    def events(self) -> KVEventLog | None:
+        return self.pool.events
+
+    def cache_blocks(
+        self, req_id: str, hashes: Sequence[BlockHash], num_tokens: int, token_ids: Sequence[int] = ()
+    ) -> None:
+        """Publish the full blocks among the request's first `num_tokens` tokens, in every group. `token_ids`:
+        the request's tokens, which KV events carry (needed only when `events` is set)."""
         for m in self.managers:
-            m.cache_blocks(req_id, hashes, num_tokens)
+            m.cache_blocks(req_id, hashes, num_tokens, token_ids)
 
     def free(self, req_id: str) -> None:
         for m in self.managers:

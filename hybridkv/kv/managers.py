@@ -13,9 +13,29 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from hybridkv.kv.block_pool import Block, BlockPool
+from hybridkv.kv.events import KVEventLog
 from hybridkv.kv.hashing import BlockHash
 from hybridkv.kv.plan import KVGroup
 from hybridkv.kv.spec import cdiv
+
+
+def log_stored(
+    events: KVEventLog,
+    entered: Sequence[int],
+    hashes: Sequence[BlockHash],
+    token_ids: Sequence[int],
+    bs: int,
+    group: int,
+) -> None:
+    """Log the blocks at indices `entered` (ascending) as stored in `group`: one record per run of consecutive
+    blocks, its parent the hash of the block before the run."""
+    run = 0
+    for j in range(1, len(entered) + 1):
+        if j == len(entered) or entered[j] != entered[j - 1] + 1:
+            first, last = entered[run], entered[j - 1]
+            parent = hashes[first - 1] if first > 0 else None
+            events.stored(hashes[first : last + 1], parent, token_ids[first * bs : (last + 1) * bs], bs, group)
+            run = j
 
 
 class GroupManager:
@@ -112,13 +132,18 @@ class GroupManager:
         ids.extend(b.block_id for b in new)
         return new
 
-    def cache_blocks(self, req_id: str, hashes: Sequence[BlockHash], num_tokens: int) -> None:
-        """Publish the request's full blocks among its first `num_tokens` tokens."""
+    def cache_blocks(
+        self, req_id: str, hashes: Sequence[BlockHash], num_tokens: int, token_ids: Sequence[int] = ()
+    ) -> None:
+        """Publish the request's full blocks among its first `num_tokens` tokens. `token_ids` (the request's
+        tokens) only feed KV events."""
         table = self.tables[req_id]
         end = min(num_tokens // self.block_size, len(hashes), len(table))
-        for i in range(self.num_cached[req_id], end):
-            self.pool.cache_block(table[i], hashes[i], self.group_id)
-        self.num_cached[req_id] = max(end, self.num_cached[req_id])
+        start = self.num_cached[req_id]
+        entered = [i for i in range(start, end) if self.pool.cache_block(table[i], hashes[i], self.group_id)]
+        self.num_cached[req_id] = max(end, start)
+        if entered and self.pool.events is not None:
+            log_stored(self.pool.events, entered, hashes, token_ids, self.block_size, self.group_id)
 
     def free(self, req_id: str) -> None:
         table = self.tables.pop(req_id, [])

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from hybridkv.kv.block_pool import Block
 from hybridkv.kv.hashing import BlockHash
-from hybridkv.kv.managers import GroupManager
+from hybridkv.kv.managers import GroupManager, log_stored
 from hybridkv.kv.spec import cdiv
 
 
@@ -89,19 +89,24 @@ class StateManager(GroupManager):
             del held[e]
         self.pool.free_blocks(freed)
 
-    def cache_blocks(self, req_id: str, hashes: Sequence[BlockHash], num_tokens: int) -> None:
+    def cache_blocks(
+        self, req_id: str, hashes: Sequence[BlockHash], num_tokens: int, token_ids: Sequence[int] = ()
+    ) -> None:
         """Publish the held entries that are checkpoints among the first `num_tokens` computed tokens: entry e
         when it holds the state after exactly (e + 1) * bs tokens and (e + 1) * bs <= num_tokens."""
         table, held = self.tables[req_id], self.held.get(req_id, {})
         last = len(table) - 1
+        entered = []
         for e, tokens in held.items():
             end = (e + 1) * self.block_size
             if end > num_tokens or e >= len(hashes):
                 continue
             if e == last:
                 tokens = held[e] = end  # computed reached the table's end: the live state is after exactly `end`
-            if tokens == end:
-                self.pool.cache_block(table[e], hashes[e], self.group_id)
+            if tokens == end and self.pool.cache_block(table[e], hashes[e], self.group_id):
+                entered.append(e)
+        if entered and self.pool.events is not None:
+            log_stored(self.pool.events, sorted(entered), hashes, token_ids, self.block_size, self.group_id)
 
     def free(self, req_id: str) -> None:
         """Free front to back: freed cached blocks are evicted in the order freed, so a request's shallower

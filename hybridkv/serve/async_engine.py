@@ -219,13 +219,17 @@ class AsyncEngine:
     def _kv_state(self) -> dict:
         """/admin/kv: a stats snapshot with a check_integrity() verdict, on the engine thread."""
         st = self.engine.stats(check_integrity=True)
-        return {
+        out = {
             "blocks_used": st.blocks_used,
             "blocks_free": st.blocks_free,
             "requests": {"running": st.running, "waiting": st.waiting, "waiting_for_kv": st.waiting_for_kv},
             "connector": st.connector,
             "integrity": st.integrity,
         }
+        events = self.engine.kv_events_state()
+        if events is not None:
+            out["kv_events"] = events
+        return out
 
     def _publish(self) -> None:
         """Send each stream what its request produced; one wake-up per event loop, not one per stream."""

@@ -23,6 +23,9 @@ runner = CliRunner()
         (["generate", "--model", "/nonexistent"], "--model needs --prompt"),
         (["generate", "--prompt", "hi", "--max-model-len", "1"], "max_model_len must be >= 2"),
         (["bench", "throughput", "--input-len", "5000"], "max_position_embeddings"),
+        (["serve", "--kv-events-config", "{oops"], "--kv-events-config is not valid JSON"),
+        (["serve", "--kv-events-config", '{"enable_kv_cache_events": true, "topics": "x"}'], "unknown keys: topics"),
+        (["serve", "--kv-events-config", '{"endpoint": "tcp://*"}'], "needs a port"),
     ],
 )
 def test_bad_flags(args, text):

@@ -28,6 +28,7 @@ LAYERS = [
     "models",
     "runner",
     "connectors",
+    "events",  # KV events: the wire format and its publisher thread (imports kv)
     "engine",
     "tasks",
     "serve",

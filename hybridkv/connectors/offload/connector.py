@@ -24,12 +24,14 @@ from hybridkv.connectors.identity import compat_hash
 from hybridkv.connectors.mesh_auth import MeshKeys, load_secret
 from hybridkv.connectors.offload.config import CONNECTOR_NAME, OffloadConfig
 from hybridkv.connectors.offload.copier import BlockCopier
-from hybridkv.connectors.offload.cpu import CpuTier
+from hybridkv.connectors.offload.cpu import CpuTier, EntryMeta
 from hybridkv.connectors.offload.disk import DiskTier
 from hybridkv.connectors.offload.key import Key
 from hybridkv.connectors.offload.loader import Loader
 from hybridkv.connectors.offload.stats import OffloadStats
 from hybridkv.connectors.offload.store import LoadItem, TieredStore
+from hybridkv.kv.events import MEDIUM_CPU, KVEventLog
+from hybridkv.kv.hashing import BlockHash
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
 from hybridkv.kv.prefix import reusable_tokens
@@ -53,6 +55,7 @@ class OffloadingConnector(KVConnector):
         self.disk: DiskTier | None = None
         self._event = threading.Event()
         self._wake: Callable[[], None] = self._event.set
+        self._kv_events = False  # KV events on: entries carry the chain metadata their stored events report
 
     def register(self, plan: KVPlan, memory: KVCacheMemory) -> None:
         self.plan = plan
@@ -81,6 +84,27 @@ class OffloadingConnector(KVConnector):
             f"{self.disk.dir} ({auth})" if self.disk else "off",
         )
 
+    # ---- KV events -----------------------------------------------------------------------------------------
+    def set_kv_events(self, events: KVEventLog) -> None:
+        """The CPU tier logs its entries (medium "CPU"). The disk tier logs nothing yet: it is shared by
+        instances and outlives them, so no one instance's stream could describe it."""
+        self.cpu.events = events
+        self._kv_events = True
+
+    def kv_event_tiers(self) -> dict[str, dict[int, list[BlockHash]]]:
+        out: dict[int, list[BlockHash]] = {}
+        for block_hash, group in self.cpu.ready_keys():
+            out.setdefault(group, []).append(block_hash)
+        return {MEDIUM_CPU: out}
+
+    def _meta(self, req: Request, i: int) -> EntryMeta | None:
+        """What block `i` of `req` says in its stored event (None without KV events)."""
+        if not self._kv_events:
+            return None
+        bs = self.block_size
+        parent = req.block_hashes[i - 1] if i > 0 else None
+        return parent, tuple(req.all_token_ids[i * bs : (i + 1) * bs]), bs
+
     # ---- lookups -------------------------------------------------------------------------------------------
     def num_external_tokens(self, req: Request, num_local_tokens: int) -> int:
         start = num_local_tokens // self.block_size
@@ -102,7 +126,7 @@ class OffloadingConnector(KVConnector):
         first = num_local_tokens // self.block_size
         end = (num_local_tokens + req.num_external_tokens) // self.block_size
         items = [
-            LoadItem(g, table[i], (req.block_hashes[i], g))
+            LoadItem(g, table[i], (req.block_hashes[i], g), meta=self._meta(req, i))
             for g, table in enumerate(block_ids)
             for i in range(first, end)
             if table[i] != 0  # the null block: no token after the resume point reads this entry
@@ -146,7 +170,7 @@ class OffloadingConnector(KVConnector):
                 if i >= len(table) or table[i] == 0:
                     continue  # a sliding window let this block go
                 key = (req.block_hashes[i], g)
-                slot = self.store.prepare_store(key)
+                slot = self.store.prepare_store(key, self._meta(req, i))
                 if slot is None:
                     continue
                 copies += self.copier.to_slot(g, table[i], self.cpu.slot(slot))

@@ -4,6 +4,9 @@ All slots live in one uint8 tensor allocated up front (pinned when CUDA is avail
 asynchronously). An entry is *ready* once its bytes are in its slot; a *pending* entry (being filled from disk) is
 invisible to `contains`. A pinned entry is being read (a load, a disk write) or filled, so it is never evicted and
 its slot never reused. Thread-safe: the engine thread stores and pins, I/O threads unpin and read pinned slots.
+
+KV events (`events` set): an entry is logged as stored when it becomes ready (with the chain metadata its caller
+gave), as removed when it is evicted; a pending entry that is discarded was never visible, so it logs nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.connectors.offload.policy import make_policy
+from hybridkv.kv.events import MEDIUM_CPU, BlockStored, KVEventLog
+from hybridkv.kv.hashing import BlockHash
+
+# What a stored event says about an entry besides its key: (parent hash, the block's token ids, block size).
+EntryMeta = tuple[BlockHash | None, tuple[int, ...], int]
 
 
 @dataclass
@@ -22,6 +30,7 @@ class _Entry:
     slot: int
     ready: bool
     pins: int = 0
+    meta: EntryMeta | None = None  # for its stored event, until it becomes ready
 
 
 class CpuTier:
@@ -39,6 +48,7 @@ class CpuTier:
         self._policy = make_policy(eviction, self.num_slots)
         self._lock = threading.Lock()
         self.evictions = 0
+        self.events: KVEventLog | None = None  # KV events of this tier (medium "CPU"); keys are (hash, group)
 
     @property
     def capacity_bytes(self) -> int:
@@ -67,10 +77,12 @@ class CpuTier:
             self._policy.touch(key)
             return True
 
-    def allocate(self, key: Hashable, *, ready: bool = True, pin: bool = False) -> int | None:
+    def allocate(
+        self, key: Hashable, *, ready: bool = True, pin: bool = False, meta: EntryMeta | None = None
+    ) -> int | None:
         """A slot for a new entry, evicting an unpinned one if the tier is full. The caller fills the slot before
         anything else can read it: a ready entry on the engine thread right away, a pending one before `commit`.
-        None: the key is already present, or every slot is pinned."""
+        None: the key is already present, or every slot is pinned. `meta`: for the entry's KV event."""
         with self._lock:
             if key in self._entries:
                 return None
@@ -80,10 +92,22 @@ class CpuTier:
                     return None
                 self._free.append(self._entries.pop(victim).slot)
                 self.evictions += 1
+                if self.events is not None:
+                    self.events.removed(*victim, medium=MEDIUM_CPU)
             slot = self._free.pop()
-            self._entries[key] = _Entry(slot, ready, pins=int(pin) + int(not ready))
+            entry = _Entry(slot, ready, pins=int(pin) + int(not ready), meta=meta)
+            self._entries[key] = entry
             self._policy.insert(key)
+            if ready:
+                self._log_stored(key, entry)
             return slot
+
+    def _log_stored(self, key: Hashable, entry: _Entry) -> None:
+        """Log a newly ready entry (lock held, so records follow the order entries change)."""
+        if self.events is not None:
+            parent, tokens, block_size = entry.meta or (None, (), 0)
+            self.events.append(BlockStored((key[0],), parent, tokens, block_size, key[1], MEDIUM_CPU))
+        entry.meta = None
 
     def pin(self, key: Hashable) -> int | None:
         """Protect a ready entry while its slot is read; returns the slot, or None when the entry is absent."""
@@ -104,6 +128,7 @@ class CpuTier:
         with self._lock:
             entry = self._entries[key]
             entry.ready, entry.pins = True, entry.pins - 1
+            self._log_stored(key, entry)
 
     def discard(self, key: Hashable) -> None:
         """Drop a pending entry whose fill failed; its slot is free again."""
@@ -111,6 +136,11 @@ class CpuTier:
             entry = self._entries.pop(key)
             self._policy.remove(key)
             self._free.append(entry.slot)
+
+    def ready_keys(self) -> list[Hashable]:
+        """The keys of every ready entry (what this tier's KV events report as held)."""
+        with self._lock:
+            return [k for k, e in self._entries.items() if e.ready]
 
     def slot(self, index: int) -> torch.Tensor:
         return self.data[index]

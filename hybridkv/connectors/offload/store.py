@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from hybridkv.connectors.offload.copier import BlockCopier
-from hybridkv.connectors.offload.cpu import CpuTier
+from hybridkv.connectors.offload.cpu import CpuTier, EntryMeta
 from hybridkv.connectors.offload.disk import DiskTier
 from hybridkv.connectors.offload.key import Key, describe
 from hybridkv.connectors.offload.stats import OffloadStats
@@ -45,6 +45,7 @@ class LoadItem:
     slot: int | None = None  # a pinned ready CPU entry, or (from disk) a pending one; None: staged
     from_disk: bool = False
     filled: bool = False  # from disk: the pending slot holds the verified entry
+    meta: EntryMeta | None = None  # with KV events: what the entry's stored event says once it is a CPU entry
 
 
 def _background() -> None:
@@ -96,7 +97,7 @@ class TieredStore:
                 error = f"{describe(item.key)} left the offload tiers"
                 break
             item.from_disk = True
-            item.slot = self.cpu.allocate(item.key, ready=False)
+            item.slot = self.cpu.allocate(item.key, ready=False, meta=item.meta)
         self.stats.add("disk_hit_blocks", sum(i.from_disk for i in items))
         self.stats.add("cpu_hit_blocks", sum(i.slot is not None and not i.from_disk for i in items))
         return error
@@ -114,12 +115,13 @@ class TieredStore:
                 self.cpu.discard(item.key)
 
     # ---- stores --------------------------------------------------------------------------------------------
-    def prepare_store(self, key: Key) -> int | None:
+    def prepare_store(self, key: Key, meta: EntryMeta | None = None) -> int | None:
         """A CPU slot to copy `key`'s block into, pinned for its disk write when there is a disk tier; None when a
-        tier holds the entry already (it becomes the most recent) or every slot is being read or written."""
+        tier holds the entry already (it becomes the most recent) or every slot is being read or written. `meta`:
+        for the entry's KV event."""
         if self.cpu.touch(key) or (self.disk is not None and self.disk.touch(key)):
             return None
-        slot = self.cpu.allocate(key, pin=self.disk is not None)
+        slot = self.cpu.allocate(key, pin=self.disk is not None, meta=meta)
         if slot is None:
             self.stats.add("cpu_stores_skipped")
         return slot

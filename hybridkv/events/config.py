@@ -1,0 +1,91 @@
+"""KVEventsConfig: vLLM's `--kv-events-config`, the same JSON keys and defaults, validated once."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+PUBLISHERS = ("null", "zmq")
+SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def _endpoint_error(key: str, value: str) -> str | None:
+    if not value.startswith(SCHEMES):
+        return f"kv_events_config.{key} must start with one of {', '.join(SCHEMES)}, got {value!r}"
+    if value.startswith("tcp://"):
+        port = value.rpartition(":")[2]
+        if ":" not in value[len("tcp://") :] or not port.isdigit() or not 0 < int(port) < 65536:
+            return f"kv_events_config.{key} needs a port in [1, 65535], e.g. tcp://*:5557; got {value!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """Field for field vLLM's KVEventsConfig. `publisher` None means "zmq" when events are enabled, else "null".
+
+    `endpoint` binds when it is a wildcard (`*`), an IPv6 address (`::`), `ipc://` or `inproc://`, and connects
+    otherwise (vLLM's rule: bind the stable side, connect the volatile one). `replay_endpoint` always binds."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark (messages queued per subscriber)
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread; beyond it a batch is dropped
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            got = self.enable_kv_cache_events
+            raise ValueError(f"kv_events_config.enable_kv_cache_events must be true or false, got {got!r}")
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in PUBLISHERS:
+            choices = ", ".join(PUBLISHERS)
+            raise ValueError(f"kv_events_config.publisher must be one of {choices}, got {self.publisher!r}")
+        for key in ("endpoint", "replay_endpoint", "topic"):
+            value = getattr(self, key)
+            if not isinstance(value, str) and not (key == "replay_endpoint" and value is None):
+                raise ValueError(f"kv_events_config.{key} must be a string, got {value!r}")
+        for key in ("endpoint", "replay_endpoint"):
+            value = getattr(self, key)
+            error = None if value is None else _endpoint_error(key, value)
+            if error:
+                raise ValueError(error)
+        for key in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"kv_events_config.{key} must be a positive integer, got {value!r}")
+        if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint:
+            raise ValueError("kv_events_config.replay_endpoint must differ from endpoint (two sockets, two addresses)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether events are recorded and published at all."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @property
+    def binds(self) -> bool:
+        """Whether the PUB socket binds `endpoint` (else it connects to it)."""
+        e = self.endpoint
+        return "*" in e or "::" in e or e.startswith(("ipc://", "inproc://"))
+
+    @staticmethod
+    def parse(value: str | dict[str, Any]) -> KVEventsConfig:
+        """From a JSON string or a dict; unknown keys are errors that name them."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--kv-events-config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError("--kv-events-config must be a JSON object, e.g. '{\"enable_kv_cache_events\": true}'")
+        known = {f.name for f in fields(KVEventsConfig)}
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(
+                f"--kv-events-config has unknown keys: {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}"
+            )
+        return KVEventsConfig(**value)
