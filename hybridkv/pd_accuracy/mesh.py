@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from hybridkv.launch import Process, free_port
 from hybridkv.pd_accuracy.grid import SweepOptions
@@ -119,8 +120,9 @@ class Counters:
 
 def counters(p: Process) -> Counters:
     c = httpx.get(f"{p.url}/admin/kv", timeout=30).json()["connector"]
-    lines = httpx.get(f"{p.url}/metrics", timeout=30).text.splitlines()
-    tokens = next(float(line.split()[1]) for line in lines if line.startswith("hybridkv_prompt_tokens_total "))
+    text = httpx.get(f"{p.url}/metrics", timeout=30).text
+    (tokens,) = (s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "vllm:prompt_tokens_total")  # fmt: skip
     return Counters(int(c["kv_transfer_reads"]), int(c["kv_transfer_failures"]), int(tokens))
 
 
