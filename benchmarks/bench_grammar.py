@@ -122,7 +122,8 @@ def measure(lib: str, tokenizer_json: str, vocab_size: int, eos: list[int], repe
             assert ok, f"{lib} refused token {t} of a valid instance"
             masks.append(t1 - t0)
             advances.append(t2 - t1)
-        assert matcher.is_accepting() if lib == "llguidance" else matcher.is_terminated() or matcher.accept_token(eos[0])
+        done = matcher.is_accepting() if lib == "llguidance" else matcher.accept_token(eos[0])
+        assert done, f"{lib}: the whole instance did not complete the schema"
     out["compile_ms"] = statistics.median(compiles) * 1e3
     out["matcher_ms"] = statistics.median(creates) * 1e3
     out["mask_us"] = statistics.median(masks) * 1e6
@@ -152,7 +153,8 @@ def main() -> None:
         for name, path, vocab, eos in cases:
             for lib in ("llguidance", "xgrammar"):
                 cmd = [sys.executable, __file__, "--repeats", str(args.repeats), "--child", lib, path, str(vocab)]
-                r = json.loads(subprocess.run([*cmd, json.dumps(eos)], capture_output=True, text=True, check=True).stdout)
+                proc = subprocess.run([*cmd, json.dumps(eos)], capture_output=True, text=True, check=True)
+                r = json.loads(proc.stdout)
                 cells = [r[k] for k in ("import_ms", "tokenizer_ms", "compile_ms", "matcher_ms", "mask_us",
                                          "mask_p99_us", "advance_us")]  # fmt: skip
                 print(f"{name:<16}{lib:<16}" + "".join(f"{c:>15.1f}" for c in cells))

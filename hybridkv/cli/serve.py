@@ -43,6 +43,10 @@ def serve(
         str | None,
         typer.Option(help="and on to disk: DIR:SIZE, e.g. /var/cache/hybridkv:20GiB (kept across restarts)"),
     ] = None,
+    structured_outputs_config: Annotated[
+        str | None,
+        typer.Option(help="structured-output defaults (vLLM's keys), e.g. '{\"disable_any_whitespace\": true}'"),
+    ] = None,
     state_checkpoints: Annotated[
         str,
         typer.Option(
@@ -81,6 +85,7 @@ def serve(
                 kv_offload_cpu=kv_offload_cpu,
                 kv_offload_disk=kv_offload_disk,
                 state_checkpoints=state_checkpoints,
+                structured_outputs_config=structured_outputs_config,
             )
         )
     except ValueError as e:
