@@ -37,7 +37,7 @@ def sample(
     if any(p.penalized for p in params):
         logits = finite(logits)  # a tiny repetition penalty divides a logit into inf
     if allowed is not None:
-        _constrain(logits, *allowed, errors)
+        _constrain(logits, *allowed, banned, errors)
     out = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if not p.greedy and (errors is None or i not in errors):
@@ -45,18 +45,23 @@ def sample(
     return out
 
 
-def _constrain(logits: torch.Tensor, rows: Sequence[int], mask: torch.Tensor, errors: dict[int, str] | None) -> None:
-    """Tokens outside `mask` get -inf in `rows` (in place). A row left with no token (its constraint allows only
-    tokens banned before min_tokens, or stop_token_ids) fails: sampling it would pick a token the constraint
-    forbids."""
-    index = torch.tensor(list(rows), dtype=torch.long)
-    constrained = logits[index].masked_fill(~mask, float("-inf"))
-    logits[index] = constrained
-    for i in (constrained == float("-inf")).all(dim=-1).nonzero().flatten().tolist():
-        reason = "no token satisfies both the structured-output constraint and min_tokens / stop_token_ids"
-        if errors is None:
-            raise ValueError(reason)
-        errors[rows[i]] = f"sampling failed: {reason}"
+def _constrain(
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    mask: torch.Tensor,
+    banned: Sequence[Sequence[int]],
+    errors: dict[int, str] | None,
+) -> None:
+    """Tokens outside `mask` get -inf in `rows`, in place (row views: other rows are never touched). A row left
+    with no token fails: its constraint allows only tokens banned before min_tokens, or stop_token_ids. (A mask
+    itself is never empty: a constraint always allows at least EOS.)"""
+    for j, i in enumerate(rows):
+        logits[i].masked_fill_(~mask[j], float("-inf"))
+        if banned and banned[i] and not bool((logits[i] > float("-inf")).any()):
+            reason = "no token satisfies both the structured-output constraint and min_tokens / stop_token_ids"
+            if errors is None:
+                raise ValueError(reason)
+            errors[i] = f"sampling failed: {reason}"
 
 
 def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +15,7 @@ from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.runner.sampler import sample
 from hybridkv.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 from hybridkv.structured import GrammarCompiler, StructuredOutputs
-from hybridkv.structured.grammar import unpack
+from hybridkv.structured.grammar import unpack_np
 
 EOS = (1, 202, 427)  # the embedded model's
 SCHEMA = {
@@ -78,13 +79,10 @@ def test_bad_constraints_fail_to_compile_naming_the_field(compiler):
 
 
 def test_unpack_bit_order():
-    words = torch.tensor([[0b101, 0], [0, -(1 << 31)], [-1, -1]], dtype=torch.int32)  # -(1 << 31): bit 31 only
-    rows = unpack(words, 40)
-    assert rows.shape == (3, 40)
-    assert rows[0].nonzero().flatten().tolist() == [0, 2]
-    assert not rows[1].any()  # bit 63 is past vocab 40
-    assert rows[2].all()
-    assert unpack(words, 64)[1].nonzero().flatten().tolist() == [63]
+    words = np.array([0b101, -(1 << 31)], dtype=np.int32)  # tokens 0, 2 and 63 (-(1 << 31): bit 31 only)
+    assert unpack_np(words, 64).nonzero()[0].tolist() == [0, 2, 63]
+    assert unpack_np(words, 40).nonzero()[0].tolist() == [0, 2]  # bits past the vocab are dropped
+    assert unpack_np(np.array([-1, -1], dtype=np.int32), 40).all()
 
 
 def test_mask_changes_constrained_rows_only():
