@@ -68,12 +68,8 @@ class StructuredOutputsBody(BaseModel):
     disable_any_whitespace: bool | None = None
 
     def spec(self) -> StructuredOutputs:
-        given = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}
-        given = {k: v for k, v in given.items() if v is not None} | ({"json_object": ""} if self.json_object else {})
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object (got {len(given)})")
-        ((kind, value),) = given.items()
-        return StructuredOutputs(kind, value, self.disable_any_whitespace, field=f"structured_outputs.{kind}")
+        fields = self.model_dump(by_alias=True)
+        return StructuredOutputs.of(**fields)
 
 
 class _Sampling(BaseModel):

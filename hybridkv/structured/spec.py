@@ -105,6 +105,28 @@ class StructuredOutputs:
             raise ValueError(f"{self.field}: {e}") from e
         object.__setattr__(self, "spec", text)
 
+    @classmethod
+    def of(
+        cls,
+        *,
+        json: Any = None,
+        regex: str | None = None,
+        choice: list[str] | None = None,
+        grammar: str | None = None,
+        json_object: bool | None = None,
+        disable_any_whitespace: bool | None = None,
+        field: str = "structured_outputs",
+    ) -> StructuredOutputs:
+        """vLLM's StructuredOutputsParams spelling: exactly one of json, regex, choice, grammar, json_object."""
+        given = {"json": json, "regex": regex, "choice": choice, "grammar": grammar}
+        given = {k: v for k, v in given.items() if v is not None} | ({"json_object": ""} if json_object else {})
+        if len(given) != 1:
+            raise ValueError(
+                f"{field}: give exactly one of json, regex, choice, grammar, json_object (got {len(given)})"
+            )
+        ((kind, value),) = given.items()
+        return cls(kind, value, disable_any_whitespace, field=f"{field}.{kind}")
+
     def grammar(self) -> str:
         """The llguidance grammar text (not yet checked: compiling it does that)."""
         return KINDS[self.kind].grammar(self)

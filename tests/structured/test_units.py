@@ -46,6 +46,9 @@ def test_specs_are_normalized_and_bad_ones_name_their_field():
     b = StructuredOutputs("json", '{"type": "object", "b": 1}')
     assert a == b and hash(a) == hash(b)  # one cache entry for equal schemas however they were written
     assert StructuredOutputs("choice", ["x", "y"]).spec == '["x","y"]'
+    assert StructuredOutputs.of(choice=["x", "y"]) == StructuredOutputs("choice", ["x", "y"])  # vLLM's spelling
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs.of(regex="a", choice=["a"])
     for kind, spec, words in [("yaml", "", "unknown kind"), ("choice", [], "non-empty"), ("json", "{", "not valid"),
                               ("json", [1], "must be an object"), ("regex", "", "non-empty")]:  # fmt: skip
         with pytest.raises(ValueError, match=words) as e:
