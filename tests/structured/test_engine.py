@@ -31,7 +31,7 @@ FREE = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 def constrained(**kw) -> SamplingParams:
     spec = StructuredOutputs("json", SCHEMA, disable_any_whitespace=True)
-    return SamplingParams(max_tokens=80, structured_outputs=spec, **kw)
+    return SamplingParams(**{"max_tokens": 80, "structured_outputs": spec} | kw)
 
 
 @pytest.fixture(scope="module", params=["embedded", "tiny-random"])
@@ -89,3 +89,13 @@ def test_a_preempted_constrained_request_resumes_its_constraint(llm):
     assert req.num_preemptions == 1
     assert req.output_token_ids == want.token_ids
     check(want)
+
+
+def test_max_tokens_cuts_a_constrained_output_and_logprobs_stay_raw(llm):
+    """A constraint cut by max_tokens finishes with "length" and a prefix of valid JSON (as vLLM); logprobs are the
+    model's own distribution, not the masked one (the sampled token's logprob is what the model gave it)."""
+    free = llm.generate("give me json", SamplingParams(max_tokens=4, temperature=0, logprobs=1))[0].outputs[0]
+    cut = llm.generate("give me json", constrained(temperature=0, logprobs=1, max_tokens=4))[0].outputs[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 4 and cut.text.startswith("{")
+    assert cut.logprobs[0].top == free.logprobs[0].top  # the first step's raw distribution, mask or not
+    assert cut.logprobs[0].logprob <= free.logprobs[0].top[0][1]
