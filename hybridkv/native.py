@@ -4,9 +4,9 @@ its compiled attention kernels (`runner/kernels`); `HYBRIDKV_KERNELS=torch` runs
 reference the fast paths are tested against).
 
 `load_kernel` compiles a kernel on first use with torch's C++ extension loader (g++ and ninja). The build lands in
-`$HYBRIDKV_CACHE_DIR/kernels/<torch>-<cpu>` (default `~/.cache/hybridkv`), keyed by the torch version and this
-CPU's instruction-set flags, since it is compiled with `-march=native`; a machine that cannot build one logs why,
-once, and its caller falls back to plain torch."""
+`$HYBRIDKV_CACHE_DIR/kernels/<torch>-<cpu>-<checkout>` (default `~/.cache/hybridkv`), keyed by the torch version,
+this CPU's instruction-set flags (it is compiled with `-march=native`) and the checkout; a machine that cannot
+build one logs why, once, and its caller falls back to plain torch."""
 
 from __future__ import annotations
 
@@ -42,7 +42,10 @@ def _build_dir() -> Path:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     cpu = hashlib.sha256(flags.encode()).hexdigest()[:12]
     root = Path(os.environ.get("HYBRIDKV_CACHE_DIR", Path.home() / ".cache" / "hybridkv"))
-    return root / "kernels" / f"torch{torch.__version__}-{cpu}"
+    # One folder per checkout: torch rebuilds whenever a source's path changes, so two checkouts sharing a folder
+    # (a CI clone beside a working tree) would rebuild each other's kernels on every start.
+    checkout = hashlib.sha256(str(Path(__file__).resolve().parent).encode()).hexdigest()[:8]
+    return root / "kernels" / f"torch{torch.__version__}-{cpu}-{checkout}"
 
 
 def _headers_digest() -> str:

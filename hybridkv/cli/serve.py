@@ -17,6 +17,9 @@ def serve(
     api_key: Annotated[
         str | None, typer.Option(help="require 'Authorization: Bearer KEY' on every route but /health")
     ] = None,
+    api_key_metrics: Annotated[
+        bool, typer.Option(help="require the API key on /metrics too (default: open to scrapers, as in vLLM)")
+    ] = False,
     enable_admin: Annotated[
         bool, typer.Option(help="serve GET /admin/kv (block usage, connector state, integrity check)")
     ] = False,
@@ -91,10 +94,9 @@ def serve(
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
-    async_engine = AsyncEngine(engine)
-    app = build_app(
-        async_engine, served_model_name or Path(folder).name, api_key, enable_admin, host, max_request_bytes
-    )
+    name = served_model_name or Path(folder).name
+    async_engine = AsyncEngine(engine, name)
+    app = build_app(async_engine, name, api_key, enable_admin, host, max_request_bytes, api_key_metrics)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -159,6 +160,8 @@ class Scheduler:
     def _admitted(self, req: Request, hit: PrefixHit) -> None:
         """`req`, at the head of the queue, got its blocks (first admission, after a preemption or a failed load)."""
         self.waiting.popleft()
+        if req.scheduled_time is None:
+            req.scheduled_time = time.monotonic()
         self.stats.prefix_query_tokens += req.num_tokens
         self.stats.prefix_hit_tokens += hit.num_tokens
         if req.request_id not in self._prompt_counted:

@@ -55,6 +55,7 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: str | int | None = None
         self.arrival_time = time.monotonic()
+        self.scheduled_time: float | None = None  # first admitted with blocks (the end of its queueing)
         self.first_token_time: float | None = None
         self.block_hashes: list[BlockHash] = []
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []

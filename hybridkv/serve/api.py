@@ -36,10 +36,12 @@ def build_app(
     enable_admin: bool = False,
     bind_host: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    api_key_metrics: bool = False,
 ) -> FastAPI:
-    """`bind_host`: the address the server listens on (a loopback one turns the Host check on)."""
+    """`bind_host`: the address the server listens on (a loopback one turns the Host check on);
+    `api_key_metrics`: /metrics needs the API key too (by default scrapers read it without one, as in vLLM)."""
     app = FastAPI(title="hybridkv")
-    guard(app, api_key, bind_host, max_request_bytes)
+    guard(app, api_key, bind_host, max_request_bytes, api_key_metrics)
     add_info_routes(app, engine, model_name, enable_admin)
 
     @app.exception_handler(APIError)

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hybridkv.engine.engine import LLMEngine
@@ -86,14 +87,15 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str | None = None) -> None:
+        """`model_name`: the served name, /metrics' `model_name` label (default: the model folder's name)."""
         self.engine = engine
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stopped = False
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(model_name or Path(engine.config.model).name, engine.max_model_len)
         self._stats, self._stats_time = engine.stats(), time.monotonic()
         engine.set_waker(self._wake.set)
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
@@ -164,7 +166,7 @@ class AsyncEngine:
         self._post(_Inspect(loop, future))
         return await future
 
-    def metrics_text(self) -> str:
+    def metrics_text(self) -> bytes:
         return self.metrics.render(self._stats)
 
     def _snapshot(self, now: float) -> None:
@@ -247,6 +249,8 @@ class AsyncEngine:
                     self.metrics.itl.observe((now - s.last_token_time) / len(new_ids))
                 s.last_token_time = now
             finished = req.status.finished
+            if finished:
+                self.metrics.finished(req, now)
             if req.error is not None and finished:
                 self._send(rid, RuntimeError(req.error))
                 continue

@@ -1,6 +1,7 @@
 """What the HTTP servers (the engine's and the PD proxy's) check before a request reaches a route.
 
-- `BearerAuth`: with an API key, every route but /health needs `Authorization: Bearer <key>` (constant-time).
+- `BearerAuth`: with an API key, every route but /health and /metrics needs `Authorization: Bearer <key>`
+  (constant-time); /metrics too when `protect_metrics` (vLLM leaves /metrics open to scrapers: so do we by default).
 - `LoopbackHosts`: a server bound to loopback answers only requests whose Host header names loopback, so a web
   page whose DNS name is rebound to 127.0.0.1 cannot talk to it as "same origin".
 - `require_json`: POST bodies must be `application/json`, which a browser cannot send cross-origin without a
@@ -51,12 +52,13 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 class BearerAuth:
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_key: str, protect_metrics: bool = False) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = frozenset(("/health",) if protect_metrics else ("/health", "/metrics"))
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 await error_response(APIError(401, "missing or wrong API key", "authentication_error"))(
@@ -81,13 +83,17 @@ class LoopbackHosts:
 
 
 def guard(
-    app: Any, api_key: str | None, bind_host: str | None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    app: Any,
+    api_key: str | None,
+    bind_host: str | None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    protect_metrics: bool = False,
 ) -> None:
-    """Install the guards that apply: the API key if set, the Host check if the server binds loopback, the body
-    limit `require_json` reads."""
+    """Install the guards that apply: the API key if set (on /metrics too with `protect_metrics`), the Host check
+    if the server binds loopback, the body limit `require_json` reads."""
     app.state.max_request_bytes = max_request_bytes
     if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
+        app.add_middleware(BearerAuth, api_key=api_key, protect_metrics=protect_metrics)
     if bind_host is not None and is_loopback_host(bind_host):
         app.add_middleware(LoopbackHosts)
 

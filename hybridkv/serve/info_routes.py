@@ -7,7 +7,8 @@ import asyncio
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, StrictInt
 
 from hybridkv.serve.async_engine import AsyncEngine
@@ -87,8 +88,8 @@ def add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, enable_a
         return {"prompt": await asyncio.to_thread(tokenizer.decode, req.tokens)}
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(engine.metrics_text(), media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        return Response(engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     if enable_admin:
 

@@ -1,76 +1,146 @@
-"""Prometheus text exposition for the engine: the engine thread's last EngineStats snapshot, and the latency
-histograms kept here."""
+"""/metrics through `prometheus_client`, under vLLM's names, labels and buckets where vLLM has the metric, so its
+Grafana dashboards, autoscalers (KEDA) and endpoint pickers (llm-d, the Gateway API inference extension) read us
+unchanged; `hybridkv_*` for what only we have (per-group and state blocks, connector and offload counters).
+
+Two sources, both safe to read from the event loop while the engine thread steps:
+- the last `EngineStats` snapshot the engine thread published (gauges and cumulative counters: a collector turns
+  it into metric families at scrape time, so a scrape never reads the scheduler's or the pool's live tables);
+- per-request histograms and the finish-reason counter, observed on the engine thread when a request's tokens are
+  handed to its stream (`prometheus_client` metrics are thread-safe).
+
+Every sample carries vLLM's labels `model_name` (the served name) and `engine` ("0": one engine per server).
+"""
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from hybridkv.engine.stats import EngineStats
+from hybridkv.request.state import Request
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+LABELS = ("model_name", "engine")
+# vLLM's buckets (vllm/v1/metrics/loggers.py), in seconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.buckets, value)] += 1
-        self.sum += value
 
-    def lines(self, name: str) -> list[str]:
-        out, total = [f"# TYPE {name} histogram"], 0
-        for bound, count in zip((*self.buckets, float("inf")), self.counts):
-            total += count
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            out.append(f'{name}_bucket{{le="{le}"}} {total}')
-        return [*out, f"{name}_sum {self.sum}", f"{name}_count {total}"]
+class _Snapshot(Collector):
+    """The engine thread's last published EngineStats as metric families, built at scrape time."""
+
+    def __init__(self, labels: tuple[str, str]) -> None:
+        self.labels = list(labels)
+        self.stats = EngineStats()
+
+    def collect(self) -> Iterator[Metric]:
+        s, labels = self.stats, self.labels
+        total = s.blocks_used + s.blocks_free
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(labels, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    s.blocks_used / total if total else 0.0)  # fmt: skip
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.", s.prefix_query_tokens)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", s.prefix_hit_tokens)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", s.preemptions)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
+        yield gauge("hybridkv_requests_waiting_for_kv", "Requests whose blocks a connector is loading.",
+                    s.waiting_for_kv)  # fmt: skip
+        yield gauge("hybridkv_kv_blocks_used", "KV blocks held, all groups.", s.blocks_used)
+        yield gauge("hybridkv_kv_blocks_free", "KV blocks free or evictable, all groups.", s.blocks_free)
+        per_group = GaugeMetricFamily("hybridkv_kv_group_blocks_used", "KV blocks held per attention group.",
+                                      labels=[*LABELS, "group"])  # fmt: skip
+        for group, n in enumerate(s.group_blocks_used):
+            per_group.add_metric([*labels, str(group)], n)
+        yield per_group
+        yield gauge("hybridkv_kv_state_blocks_used", "Blocks the recurrent-state groups hold.", s.state_blocks_used)
+        yield gauge("hybridkv_kv_state_checkpoint_bytes", "Bytes of recurrent-state checkpoints published.",
+                    s.state_checkpoint_bytes)  # fmt: skip
+        yield counter("hybridkv_external_hit_tokens", "Prompt tokens a connector loaded instead of computing.",
+                      s.external_hit_tokens)  # fmt: skip
+        yield counter("hybridkv_kv_load_failures", "KV loads that failed.", s.kv_load_failures)
+        for name, value in sorted(s.connector.items()):
+            if name.endswith("_total"):
+                yield counter(f"hybridkv_{name.removesuffix('_total')}", "KV connector counter.", value)
+            else:
+                yield gauge(f"hybridkv_{name}", "KV connector gauge.", value)
 
 
 class EngineMetrics:
-    def __init__(self) -> None:
-        self.ttft = Histogram()
-        self.itl = Histogram()
+    """The registry /metrics renders: one per server (tests run several in one process)."""
 
-    def render(self, stats: EngineStats) -> str:
-        """The Prometheus text of a snapshot the engine thread published, and of the latency histograms."""
-        lines = [
-            "# TYPE hybridkv_requests_running gauge",
-            f"hybridkv_requests_running {stats.running}",
-            "# TYPE hybridkv_requests_waiting gauge",
-            f"hybridkv_requests_waiting {stats.waiting}",
-            "# TYPE hybridkv_requests_waiting_for_kv gauge",
-            f"hybridkv_requests_waiting_for_kv {stats.waiting_for_kv}",
-            "# TYPE hybridkv_kv_blocks_used gauge",
-            f"hybridkv_kv_blocks_used {stats.blocks_used}",
-            "# TYPE hybridkv_kv_blocks_free gauge",
-            f"hybridkv_kv_blocks_free {stats.blocks_free}",
-            "# TYPE hybridkv_kv_group_blocks_used gauge",
-            *(f'hybridkv_kv_group_blocks_used{{group="{g}"}} {n}' for g, n in enumerate(stats.group_blocks_used)),
-            "# TYPE hybridkv_kv_state_blocks_used gauge",
-            f"hybridkv_kv_state_blocks_used {stats.state_blocks_used}",
-            "# TYPE hybridkv_kv_state_checkpoint_bytes gauge",
-            f"hybridkv_kv_state_checkpoint_bytes {stats.state_checkpoint_bytes}",
-            "# TYPE hybridkv_prefix_cache_hit_rate gauge",
-            f"hybridkv_prefix_cache_hit_rate {stats.prefix_cache_hit_rate}",
-            "# TYPE hybridkv_prefix_cache_queries_total counter",
-            f"hybridkv_prefix_cache_queries_total {stats.prefix_query_tokens}",
-            "# TYPE hybridkv_prefix_cache_hits_total counter",
-            f"hybridkv_prefix_cache_hits_total {stats.prefix_hit_tokens}",
-            "# TYPE hybridkv_prompt_tokens_total counter",
-            f"hybridkv_prompt_tokens_total {stats.prompt_tokens}",
-            "# TYPE hybridkv_generation_tokens_total counter",
-            f"hybridkv_generation_tokens_total {stats.generation_tokens}",
-            "# TYPE hybridkv_preemptions_total counter",
-            f"hybridkv_preemptions_total {stats.preemptions}",
-            "# TYPE hybridkv_external_hit_tokens_total counter",
-            f"hybridkv_external_hit_tokens_total {stats.external_hit_tokens}",
-            "# TYPE hybridkv_kv_load_failures_total counter",
-            f"hybridkv_kv_load_failures_total {stats.kv_load_failures}",
-            *(f"hybridkv_{k} {v}" for k, v in stats.connector.items()),
-            *self.ttft.lines("hybridkv_time_to_first_token_seconds"),
-            *self.itl.lines("hybridkv_inter_token_latency_seconds"),
-        ]
-        return "\n".join(lines) + "\n"
+    def __init__(self, model_name: str = "hybridkv", max_model_len: int = 8192) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        values = (model_name, "0")
+        self._snapshot = _Snapshot(values)
+        self.registry.register(self._snapshot)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*values)
+
+        tokens = buckets_1_2_5(max_model_len)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
+        latency = REQUEST_LATENCY_BUCKETS
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", latency)
+        self.queue = histogram("vllm:request_queue_time_seconds", "Time spent waiting to be scheduled.", latency)
+        self.prefill = histogram("vllm:request_prefill_time_seconds", "Time from scheduled to first token.", latency)
+        self.decode = histogram("vllm:request_decode_time_seconds", "Time from first token to finish.", latency)
+        self.inference = histogram("vllm:request_inference_time_seconds", "Time from scheduled to finish.", latency)
+        self.prompt_len = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", tokens)
+        self.output_len = histogram("vllm:request_generation_tokens", "Generated tokens per request.", tokens)
+        self.max_tokens = histogram("vllm:request_params_max_tokens", "The max_tokens request parameter.", tokens)
+        success = Counter("vllm:request_success", "Finished requests, by finish reason.", [*LABELS, "finished_reason"],
+                          registry=self.registry)  # fmt: skip
+        self.success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
+
+    def finished(self, req: Request, now: float) -> None:
+        """Observe a request that finished (engine thread). Phases it never reached (an error before its first
+        token) are left out of their histograms, as vLLM leaves them."""
+        self.success[req.status.value].inc()
+        self.e2e.observe(now - req.arrival_time)
+        self.prompt_len.observe(req.num_prompt_tokens)
+        self.output_len.observe(len(req.output_token_ids))
+        self.max_tokens.observe(req.params.max_tokens)
+        if req.scheduled_time is None:
+            return
+        self.queue.observe(req.scheduled_time - req.arrival_time)
+        self.inference.observe(now - req.scheduled_time)
+        if req.first_token_time is not None:
+            self.prefill.observe(req.first_token_time - req.scheduled_time)
+            self.decode.observe(now - req.first_token_time)
+
+    def render(self, stats: EngineStats) -> bytes:
+        """The Prometheus text of `stats` (a snapshot the engine thread published) and of the histograms."""
+        self._snapshot.stats = stats
+        return generate_latest(self.registry)

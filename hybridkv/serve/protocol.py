@@ -27,11 +27,21 @@ STRICT = ConfigDict(strict=True)  # no coercion: `max_tokens: true` or `"seed": 
 UNSUPPORTED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "suffix", "audio",
                "modalities", "prediction", "web_search_options", "guided_decoding_backend",
                "guided_whitespace_pattern", "structural_tag")  # fmt: skip
-# Fields routers add to every request they forward (vllm-router and SGLang's router send SGLang's sampling
-# extras): they change nothing we compute, so they are ignored at DEBUG, not warned about once per request.
-ROUTER_FIELDS = frozenset(("no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens",
-                           "separate_reasoning", "stream_reasoning", "return_hidden_states", "session_params",
-                           "lora_path", "bootstrap_host", "bootstrap_port", "bootstrap_room", "rid"))  # fmt: skip
+ANY = object()
+# Fields routers add to the requests they forward (vllm-router sends SGLang's and vLLM's extras): at these values
+# they change nothing we compute, so they are ignored at DEBUG rather than warned about once per request. Another
+# value (continue_final_message=true, skip_special_tokens=false, ...) would change the output: that one is warned.
+ROUTER_FIELDS: dict[str, object] = {
+    "no_stop_trim": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "continue_final_message": False, "add_generation_prompt": True, "include_reasoning": ANY,
+    "separate_reasoning": ANY, "stream_reasoning": ANY, "return_hidden_states": False, "session_params": None,
+    "lora_path": None, "bootstrap_host": ANY, "bootstrap_port": ANY, "bootstrap_room": ANY, "rid": ANY,
+}  # fmt: skip
+
+
+def _harmless(field: str, value: object) -> bool:
+    noop = ROUTER_FIELDS.get(field, ...)
+    return noop is ANY or (noop is not ... and value == noop)
 
 
 class StreamOptions(BaseModel):
@@ -232,7 +242,7 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     if refused:
         raise APIError(400, f"{refused[0]} is not supported by this server", param=refused[0])
     ignored = sorted(k for k in extra if k not in UNSUPPORTED)
-    unknown = [k for k in ignored if k not in ROUTER_FIELDS]
+    unknown = [k for k in ignored if not _harmless(k, extra[k])]
     if unknown:
         logger.warning("request fields ignored (not supported): %s", ", ".join(unknown))
     elif ignored:

@@ -18,6 +18,7 @@ from hybridkv import LLM, SamplingParams
 from hybridkv.connectors.mesh_auth import SECRET_ENV, MeshKeys, mac
 from hybridkv.connectors.offload.disk import FIELDS, HEADER
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
+from tests.metrics_util import scrape
 from tests.offload.test_offload_e2e import embedded_prompts
 from tests.procs import Process
 
@@ -37,8 +38,7 @@ def run(p: Process) -> list[str]:
 
 
 def counters(p: Process) -> dict[str, float]:
-    lines = httpx.get(f"{p.url}/metrics", timeout=10).text.splitlines()
-    return {ln.split()[0]: float(ln.split()[1]) for ln in lines if ln.startswith("hybridkv_kv_offload_")}
+    return {k: v for k, v in scrape(p.url).items() if k.startswith("hybridkv_kv_offload_")}
 
 
 def assert_clean(p: Process) -> None:

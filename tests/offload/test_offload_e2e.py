@@ -21,6 +21,7 @@ from hybridkv.engine.tokenizer import Tokenizer
 from hybridkv.kv.hashing import hash_blocks
 from hybridkv.kv.spec import cdiv
 from hybridkv.serve.metrics import EngineMetrics
+from tests.metrics_util import parse
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 LAYOUTS = ["per-layer", "packed"]
@@ -254,9 +255,9 @@ def test_offload_metrics_reach_prometheus(model):
     folder, prompts, _ = model
     llm = offload_llm(folder, "packed")
     outputs(llm, prompts[:1])
-    text = EngineMetrics().render(llm.engine.stats())
+    m = parse(EngineMetrics().render(llm.engine.stats()).decode())
     for name in ("device_to_cpu_bytes_total", "cpu_to_device_seconds_total", "cpu_evictions_total", "misses_total"):
-        assert f"hybridkv_kv_offload_{name} " in text
+        assert f"hybridkv_kv_offload_{name}" in m
     check_idle(llm)
 
 

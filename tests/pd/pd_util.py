@@ -12,6 +12,7 @@ import pytest
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
+from tests.metrics_util import scrape
 from tests.procs import Process, free_port
 
 try:
@@ -47,9 +48,8 @@ def kv_state(p: Process) -> dict:
 
 
 def metrics(p: Process) -> dict[str, float]:
-    """/metrics as name -> value (unlabelled samples only)."""
-    lines = httpx.get(f"{p.url}/metrics", timeout=10).text.splitlines()
-    return {line.split()[0]: float(line.split()[1]) for line in lines if line and line[0] != "#" and "{" not in line}
+    """/metrics as name -> value (see tests/metrics_util.py)."""
+    return scrape(p.url)
 
 
 def transfer_counters(decoder: Process) -> dict[str, float]:

@@ -231,7 +231,7 @@ def test_a_side_channel_port_in_use_is_a_clear_start_up_error(embedded):
 
 
 def prompt_tokens(p: Process) -> float:
-    return metrics(p)["hybridkv_prompt_tokens_total"]
+    return metrics(p)["vllm:prompt_tokens_total"]
 
 
 def test_the_proxy_round_robins_over_prefill_instances(embedded):

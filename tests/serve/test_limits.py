@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 import hybridkv
+from tests.metrics_util import scrape
 from tests.procs import Process
 
 NORMAL = [{"prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -59,8 +60,7 @@ def texts(url: str, bodies: list[dict]) -> list[str]:
 
 
 def metric(url: str, name: str) -> float:
-    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-    return float(next(line.split()[1] for line in lines if line.startswith(name + " ")))
+    return scrape(url)[name]
 
 
 @pytest.mark.parametrize("poison", [*VALID_EXTREMES, *(p for p, _ in INVALID)], ids=lambda p: str(p)[:50])
@@ -148,20 +148,20 @@ def test_a_huge_body_is_refused_while_health_answers_and_memory_comes_back(serve
 
 def test_a_client_that_leaves_a_non_streaming_request_aborts_it(server):
     body = json.dumps({"prompt": "the quick brown fox", "max_tokens": 1000, "ignore_eos": True}).encode()
-    generated = metric(server.url, "hybridkv_generation_tokens_total")
+    generated = metric(server.url, "vllm:generation_tokens_total")
     host, port = "127.0.0.1", server.port
     with socket.create_connection((host, port)) as conn:
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
         deadline = time.monotonic() + 10
-        while metric(server.url, "hybridkv_requests_running") == 0 and time.monotonic() < deadline:
+        while metric(server.url, "vllm:num_requests_running") == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert metric(server.url, "hybridkv_requests_running") == 1
+        assert metric(server.url, "vllm:num_requests_running") == 1
     deadline = time.monotonic() + 5
-    while metric(server.url, "hybridkv_requests_running") and time.monotonic() < deadline:
+    while metric(server.url, "vllm:num_requests_running") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert metric(server.url, "hybridkv_requests_running") == 0 and metric(server.url, "hybridkv_kv_blocks_used") == 0
-    assert metric(server.url, "hybridkv_generation_tokens_total") - generated < 1000  # stopped, not run to the end
+    assert metric(server.url, "vllm:num_requests_running") == 0 and metric(server.url, "hybridkv_kv_blocks_used") == 0
+    assert metric(server.url, "vllm:generation_tokens_total") - generated < 1000  # stopped, not run to the end
 
 
 def test_model_version_tokenize_and_detokenize_routes(server):
@@ -183,9 +183,9 @@ def test_cache_salt_separates_prefix_caches(server):
     prompt = {"prompt": "a shared system prompt of some length " * 6, "max_tokens": 2, "temperature": 0}
 
     def hit_tokens(body: dict) -> float:
-        before = metric(server.url, "hybridkv_prefix_cache_hits_total")
+        before = metric(server.url, "vllm:prefix_cache_hits_total")
         assert post(server.url, body).status_code == 200
-        return metric(server.url, "hybridkv_prefix_cache_hits_total") - before
+        return metric(server.url, "vllm:prefix_cache_hits_total") - before
 
     hit_tokens(prompt | {"cache_salt": "tenant-a"})
     assert hit_tokens(prompt | {"cache_salt": "tenant-a"}) > 0  # the same tenant reuses its blocks

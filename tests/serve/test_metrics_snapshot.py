@@ -9,6 +9,7 @@ from hybridkv.engine.config import DEFAULT_MODEL_DIR, EngineConfig
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.serve.async_engine import AsyncEngine
+from tests.metrics_util import parse
 
 
 class Untouchable:
@@ -31,7 +32,7 @@ def test_metrics_render_the_published_snapshot_only():
         text = served.metrics_text()
     finally:
         engine.scheduler, engine.kv = live
-    lines = dict(line.split() for line in text.splitlines() if not line.startswith("#") and "{" not in line)
-    assert float(lines["hybridkv_generation_tokens_total"]) == 3 and float(lines["hybridkv_kv_blocks_used"]) == 0
+    m = parse(text.decode())
+    assert m["vllm:generation_tokens_total"] == 3 and m["hybridkv_kv_blocks_used"] == 0
     with pytest.raises(RuntimeError, match="live engine state"):
         _ = Untouchable().running  # the stand-in does raise: the render above never read it

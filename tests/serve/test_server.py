@@ -11,13 +11,13 @@ import httpx
 import pytest
 
 from hybridkv import LLM, SamplingParams
+from tests.metrics_util import scrape
 from tests.procs import free_port, wait_healthy
 from tests.serve.conftest import start_server
 
 
 def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics").text
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    return scrape(url)
 
 
 def settled_metrics(url: str) -> dict[str, float]:
@@ -28,12 +28,8 @@ def settled_metrics(url: str) -> dict[str, float]:
 
 
 def prefix_hit_tokens(m: dict[str, float]) -> float:
-    """Prompt tokens served from the prefix cache so far: the counter, or, on a server without it, the hit rate
-    times the tokens looked up (each request's prompt once: nothing here is preempted)."""
-    if "hybridkv_prefix_cache_hits_total" in m:
-        return m["hybridkv_prefix_cache_hits_total"]
-    assert m["hybridkv_preemptions_total"] == 0
-    return round(m["hybridkv_prefix_cache_hit_rate"] * m["hybridkv_prompt_tokens_total"])
+    """Prompt tokens served from the prefix cache so far."""
+    return m["vllm:prefix_cache_hits_total"]
 
 
 def test_health_and_models(url):
@@ -157,7 +153,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(url):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         m = metrics(url)
-        if m["hybridkv_kv_blocks_used"] == 0 and m["hybridkv_requests_running"] == 0:
+        if m["hybridkv_kv_blocks_used"] == 0 and m["vllm:num_requests_running"] == 0:
             break
         time.sleep(0.1)
     else:
@@ -216,7 +212,7 @@ def test_64_concurrent_streaming_clients_complete_without_errors(url):
     assert report["errors"] == 0 and report["requests"] == 64
     assert report["ttft_ms"]["p50"] > 0 and report["output_tok_per_s"] > 0
     m = metrics(url)
-    assert m["hybridkv_kv_blocks_used"] == 0 and m["hybridkv_requests_running"] == 0
+    assert m["hybridkv_kv_blocks_used"] == 0 and m["vllm:num_requests_running"] == 0
 
 
 def test_metrics_expose_tokens_cache_and_latency(url):
@@ -232,13 +228,12 @@ def test_metrics_expose_tokens_cache_and_latency(url):
     assert prompt_tokens == [n, n] and n > 16  # more than a block: the second request can hit it
     for i, (before, m) in enumerate(pairwise(snapshots)):
         delta = {k: v - before.get(k, 0) for k, v in m.items()}
-        assert delta["hybridkv_generation_tokens_total"] == 3 and delta["hybridkv_prompt_tokens_total"] == n
-        assert delta["hybridkv_time_to_first_token_seconds_count"] == 1
-        assert delta["hybridkv_inter_token_latency_seconds_count"] == 2  # tokens 2 and 3
+        assert delta["vllm:generation_tokens_total"] == 3 and delta["vllm:prompt_tokens_total"] == n
+        assert delta["vllm:time_to_first_token_seconds_count"] == 1
+        assert delta["vllm:inter_token_latency_seconds_count"] == 2  # tokens 2 and 3
         hits = prefix_hit_tokens(m) - prefix_hit_tokens(before)
         assert (0 < hits < n) if i else hits == 0, (i, hits, n)  # only the second request hits the cache
-        if "hybridkv_prefix_cache_queries_total" in m:
-            assert delta["hybridkv_prefix_cache_queries_total"] == n
+        assert delta["vllm:prefix_cache_queries_total"] == n
         assert m["hybridkv_kv_blocks_used"] == 0
         assert all(v == 0 for k, v in m.items() if k.startswith("hybridkv_kv_group_blocks_used"))
 
