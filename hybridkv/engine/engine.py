@@ -284,11 +284,8 @@ class LLMEngine:
                 finished.append(req)
                 continue
             status = self._texts[req.request_id].append(token)
-            if status is None and req.grammar is not None:
-                if req.grammar.finished:
-                    status = self._texts[req.request_id].finish(RequestStatus.FINISHED_STOPPED)
-                else:
-                    req.grammar.prefetch()  # the next mask, computed while the next step runs the model
+            if status is None and req.grammar is not None and req.grammar.finished:
+                status = self._texts[req.request_id].finish(RequestStatus.FINISHED_STOPPED)
             if status is not None:
                 self.scheduler.finish(req.request_id, status)
                 finished.append(req)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import llguidance
@@ -26,39 +25,22 @@ CACHE_SIZE = 256  # compiled constraints kept, least recently used first out
 
 class GrammarMatcher:
     """One request's constraint state. Invariant: it has consumed exactly the request's output tokens, in order
-    (a preempted request keeps its output, so its matcher stays valid when it is recomputed).
+    (a preempted request keeps its output, so its matcher stays valid when it is recomputed)."""
 
-    The mask of the next token depends only on the tokens consumed, so `prefetch` computes it on the compiler's
-    worker thread (llguidance releases the GIL) while the engine runs the model; `allowed` then only waits."""
-
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, worker: ThreadPoolExecutor) -> None:
-        self._m, self._vocab_size, self._worker = matcher, vocab_size, worker
-        self._words = (vocab_size + 31) // 32
-        self._next: Future[torch.Tensor] | torch.Tensor | None = None  # the mask for the current state
-
-    def _compute(self) -> torch.Tensor:
-        bitmask = np.zeros((1, self._words), dtype=np.int32)
-        llg_numpy.fill_next_token_bitmask(self._m, bitmask, 0)
-        return torch.from_numpy(unpack_np(bitmask[0], self._vocab_size))
-
-    def prefetch(self) -> None:
-        """Start computing the next mask in the background (no-op when it is already known or under way)."""
-        if self._next is None:
-            self._next = self._worker.submit(self._compute)
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self._m, self._vocab_size = matcher, vocab_size
+        self._bitmask = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)
 
     def allowed(self) -> torch.Tensor:
-        """[vocab_size] bool: the tokens allowed next. A finished (or failed) matcher allows only EOS."""
-        if self._next is None:
-            self._next = self._compute()
-        elif isinstance(self._next, Future):
-            self._next = self._next.result()
-        return self._next
+        """[vocab_size] bool: the tokens allowed next. A finished (or failed) matcher allows only EOS.
+
+        Computed on the engine thread, when asked: a worker thread computing it during the model's forward
+        slowed the whole batch on a CPU machine (the forward uses the cores; benchmarks/bench_offline.py)."""
+        llg_numpy.fill_next_token_bitmask(self._m, self._bitmask, 0)
+        return torch.from_numpy(unpack_np(self._bitmask[0], self._vocab_size))
 
     def accept(self, token_id: int) -> bool:
         """Advance by the sampled token; False when the constraint does not allow it (the matcher then failed)."""
-        if isinstance(self._next, Future):
-            self._next.result()  # never advance a matcher while its mask is being computed
-        self._next = None
         return self._m.consume_token(token_id)
 
     @property
@@ -85,7 +67,6 @@ class GrammarCompiler:
         self._tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._cache: OrderedDict[StructuredOutputs, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="hybridkv-grammar")  # masks ahead of the model
 
     def compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         """The compiled constraint (a matcher never advanced: a template to copy). ValueError says what is wrong
@@ -110,9 +91,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
         """A fresh matcher for one request (a copy of the cached template: cheap once compiled)."""
-        matcher = GrammarMatcher(self.compile(spec).deep_copy(), self.vocab_size, self._worker)
-        matcher.prefetch()
-        return matcher
+        return GrammarMatcher(self.compile(spec).deep_copy(), self.vocab_size)
 
     def allowed(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
         """[len(matchers), vocab_size] bool: the tokens each matcher allows next."""
