@@ -80,8 +80,9 @@ def test_a_preempted_constrained_request_resumes_its_constraint(llm):
     want = llm.generate("give me json", constrained(temperature=0))[0].outputs[0]
     engine = llm.engine
     req = engine.add_request("give me json", constrained(temperature=0))
-    while len(req.output_token_ids) < 6:
+    while len(req.output_token_ids) < 6 and not req.status.finished:
         engine.step()
+    assert not req.status.finished, (req.status, req.error)
     engine.scheduler.running.remove(req)
     engine.scheduler._preempt(req)
     while engine.has_unfinished():
