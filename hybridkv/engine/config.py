@@ -12,6 +12,7 @@ from hybridkv.connectors.offload.config import CONNECTOR_NAME, OffloadConfig, of
 from hybridkv.engine.chunking import CHECKPOINT_POLICIES
 from hybridkv.events.config import KVEventsConfig
 from hybridkv.kv.layout import KV_LAYOUTS
+from hybridkv.structured.config import StructuredOutputsConfig
 from hybridkv.units import parse_bytes
 
 DEFAULT_MODEL_DIR = Path(__file__).parents[1] / "assets" / "default-model"
@@ -39,8 +40,13 @@ class EngineConfig:
     kv_offload_disk: str | None = None
     # vLLM's --kv-events-config: publish the KV cache's stored/removed blocks for KV-aware routers.
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = field(default=None, hash=False)
+    # vLLM's --structured-outputs-config: defaults for structured-output requests (a JSON string or dict is parsed).
+    structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | str | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "structured_outputs_config", StructuredOutputsConfig.parse(self.structured_outputs_config)
+        )
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.block_size < 1:

@@ -37,9 +37,9 @@ class IncrementalDetokenizer:
         n_out = len(req.output_token_ids)
         if n_out >= params.min_tokens and token_id in self.stop_token_ids:
             req.stop_reason = token_id
-            return self._finish(RequestStatus.FINISHED_STOPPED)
+            return self.finish(RequestStatus.FINISHED_STOPPED)
         if n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            return self._finish(RequestStatus.FINISHED_LENGTH)
+            return self.finish(RequestStatus.FINISHED_LENGTH)
         if not params.stop or self.tokenizer is None:
             return None
         pending = self._decode()
@@ -53,7 +53,7 @@ class IncrementalDetokenizer:
         if hit is None:
             return None
         req.stop_reason = hit
-        return self._finish(RequestStatus.FINISHED_STOPPED)
+        return self.finish(RequestStatus.FINISHED_STOPPED)
 
     def _decode(self) -> str:
         """Decode the output tokens not decoded yet; returns the text after `self.text` that an incomplete
@@ -69,7 +69,9 @@ class IncrementalDetokenizer:
         self.text, self.decoded = self.text + after[len(before) :], len(ids)
         return ""
 
-    def _finish(self, status: RequestStatus) -> RequestStatus:
+    def finish(self, status: RequestStatus) -> RequestStatus:
+        """The request ends here with `status` (by a rule above, or its structured-output constraint completed):
+        its text is final."""
         self.final = self.full_text()
         return status
 

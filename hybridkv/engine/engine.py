@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,6 +37,8 @@ from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.request.state import Request, RequestStatus
 from hybridkv.runner.model_runner import ModelRunner
 from hybridkv.runner.sampler import sample, token_logprobs
+from hybridkv.structured.grammar import GrammarCompiler
+from hybridkv.structured.spec import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +101,8 @@ class LLMEngine:
             self.tokenizer = None
         self.eos_token_ids = eos_token_ids(config.model, hf)
         self.vocab_size: int = text["vocab_size"]
+        self._grammars: GrammarCompiler | None = None  # made on the first structured request
+        self._grammars_lock = threading.Lock()
         self._ids = itertools.count()
         self._texts: dict[str, IncrementalDetokenizer] = {}  # unfinished requests' text and stop rules
         self.kv_publisher: ZmqEventPublisher | None = None
@@ -120,6 +126,27 @@ class LLMEngine:
         ValueError. Thread-safe: the server calls it before queueing."""
         return check_prompt(self.tokenize(prompt), self.max_model_len, self.vocab_size)
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler for this model's vocabulary (thread-safe; ValueError without a
+        tokenizer)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.config.model, self.vocab_size, self.eos_token_ids)
+            return self._grammars
+
+    def compile_grammar(self, spec: StructuredOutputs) -> None:
+        """Compile (and cache) a request's constraint: ValueError names what is wrong. Thread-safe: the server
+        calls it before queueing, so the engine thread only copies the compiled grammar."""
+        self.grammars.compile(self._resolved(spec))
+
+    def _resolved(self, spec: StructuredOutputs) -> StructuredOutputs:
+        """The spec with the server-wide defaults filled in (what the compiled-grammar cache is keyed by)."""
+        if spec.disable_any_whitespace is None:
+            default = self.config.structured_outputs_config.disable_any_whitespace
+            return replace(spec, disable_any_whitespace=default)
+        return spec
+
     def add_request(
         self,
         prompt: str | list[int],
@@ -134,6 +161,8 @@ class LLMEngine:
             (kv_transfer_params,) = self.accept_transfer_params(kv_transfer_params)
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, ids, params, self.plan.block_size, self.eos_token_ids, cache_salt, kv_transfer_params)
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars.matcher(self._resolved(params.structured_outputs))
         self.scheduler.add(req)
         self._texts[rid] = IncrementalDetokenizer(self.tokenizer, req, self.max_model_len)
         return req
@@ -285,7 +314,12 @@ class LLMEngine:
         penalized = any(r.params.penalized for r in reqs)
         history = [(r.prompt_token_ids, r.output_token_ids) for r in reqs] if penalized else ()
         errors: dict[int, str] = {}
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], banned, history, errors)
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        allowed = None
+        if constrained:  # only constrained rows are asked for a mask; the others' logits stay untouched
+            allowed = (constrained, self.grammars.allowed([reqs[i].grammar for i in constrained]))
+        params = [r.params for r in reqs]
+        tokens = sample(logits, params, [r.generator for r in reqs], banned, history, errors, allowed)
         for i, reason in errors.items():  # that request fails alone; the step goes on for the others
             logger.warning("request %s failed: %s", reqs[i].request_id, reason)
             reqs[i].error = reason
@@ -297,7 +331,15 @@ class LLMEngine:
             for i, row in zip(wants, rows):
                 reqs[i].logprobs.append(row)
         for req in self.scheduler.update(output, dict(zip(req_ids, tokens))):
-            status = self._texts[req.request_id].append(req.output_token_ids[-1])
+            token = req.output_token_ids[-1]
+            if req.grammar is not None and not req.grammar.accept(token):
+                req.error = f"structured output: token {token} broke the constraint: {req.grammar.error}"
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
+                finished.append(req)
+                continue
+            status = self._texts[req.request_id].append(token)
+            if status is None and req.grammar is not None and req.grammar.finished:
+                status = self._texts[req.request_id].finish(RequestStatus.FINISHED_STOPPED)
             if status is not None:
                 self.scheduler.finish(req.request_id, status)
                 finished.append(req)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridkv.structured.spec import StructuredOutputs
+
 MAX_LOGPROBS = 20
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): dividing by them overflows
 
@@ -23,6 +25,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
     frequency_penalty: float = 0.0  # subtracted once per time a token was generated
     repetition_penalty: float = 1.0  # tokens in the prompt or output: positive logits divided by it, others times
+    structured_outputs: StructuredOutputs | None = None  # the output must match a JSON schema, regex, ...
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -53,6 +56,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be a StructuredOutputs, got {self.structured_outputs!r}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
 

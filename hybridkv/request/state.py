@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybridkv.kv.hashing import BlockHash, hash_blocks
 from hybridkv.request.outputs import TokenLogprob
 from hybridkv.request.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hybridkv.structured.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -67,6 +70,7 @@ class Request:
         # Recurrent-state plans: a prefill chunk also ends here (where the prompt branches off cached history).
         self.branch_tokens = 0
         self.final_text: str | None = None  # the output as text once it finished (the engine's detokenizer)
+        self.grammar: GrammarMatcher | None = None  # structured output: has consumed exactly output_token_ids
         self._update_hashes()
 
     @property

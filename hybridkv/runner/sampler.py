@@ -18,12 +18,15 @@ def sample(
     banned: Sequence[Sequence[int]] = (),
     history: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
     errors: dict[int, str] | None = None,
+    allowed: tuple[Sequence[int], torch.Tensor] | None = None,
 ) -> list[int]:
     """logits: [M, vocab]. `banned[i]` are token ids row i may not pick (EOS before min_tokens); `history[i]`:
-    row i's (prompt, output) token ids, needed only by rows with penalties. With `errors`, a row whose sampling
-    raises is recorded there (row -> reason) and the others go on unchanged (each has its own generator)."""
+    row i's (prompt, output) token ids, needed only by rows with penalties. `allowed`: (rows, mask [len(rows),
+    vocab] bool), the only tokens those rows may pick (structured output); other rows are left as they are, bit for
+    bit. With `errors`, a row whose sampling raises is recorded there (row -> reason) and the others go on unchanged
+    (each has its own generator)."""
     logits = logits.float()
-    if any(banned) or any(p.penalized for p in params):
+    if any(banned) or any(p.penalized for p in params) or allowed is not None:
         logits = logits.clone()  # the caller's logits stay raw (logprobs read them), and may be inference tensors
     for i, p in enumerate(params):
         if p.penalized:
@@ -33,11 +36,32 @@ def sample(
             logits[i, list(ids)] = float("-inf")
     if any(p.penalized for p in params):
         logits = finite(logits)  # a tiny repetition penalty divides a logit into inf
+    if allowed is not None:
+        _constrain(logits, *allowed, banned, errors)
     out = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if not p.greedy and (errors is None or i not in errors):
             out[i] = _guarded(errors, i, out[i], _draw, logits[i], p, generators[i])
     return out
+
+
+def _constrain(
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    mask: torch.Tensor,
+    banned: Sequence[Sequence[int]],
+    errors: dict[int, str] | None,
+) -> None:
+    """Tokens outside `mask` get -inf in `rows`, in place (row views: other rows are never touched). A row left
+    with no token fails: its constraint allows only tokens banned before min_tokens, or stop_token_ids. (A mask
+    itself is never empty: a constraint always allows at least EOS.)"""
+    for j, i in enumerate(rows):
+        logits[i].masked_fill_(~mask[j], float("-inf"))
+        if banned and banned[i] and not bool((logits[i] > float("-inf")).any()):
+            reason = "no token satisfies both the structured-output constraint and min_tokens / stop_token_ids"
+            if errors is None:
+                raise ValueError(reason)
+            errors[i] = f"sampling failed: {reason}"
 
 
 def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:

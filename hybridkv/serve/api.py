@@ -3,7 +3,8 @@ them are in `info_routes.py`; what every request must pass first (API key, Host 
 in `guards.py`.
 
 A request is checked whole before anything is queued: its fields, its prompts (tokenized off the event loop), its
-max_tokens against the context, its kv_transfer_params (one per prompt). A client that leaves aborts its request,
+max_tokens against the context, its structured-output constraint (compiled off the event loop), its
+kv_transfer_params (one per prompt). A client that leaves aborts its request,
 streamed or not.
 """
 
@@ -67,6 +68,17 @@ def build_app(
             )
         return replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
+    async def compile_constraint(params: SamplingParams) -> None:
+        """A structured-output constraint compiles (off the event loop, cached) before anything is queued: a bad
+        schema is this request's 400, never the engine thread's problem."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        try:
+            await asyncio.to_thread(engine.compile_grammar, spec)
+        except ValueError as e:
+            raise APIError(400, str(e), param=spec.field.split(".")[0]) from e
+
     def token_text(token_id: int) -> str:
         tokenizer = engine.engine.tokenizer
         return str(token_id) if tokenizer is None else tokenizer.token_text(token_id)
@@ -90,6 +102,7 @@ def build_app(
             raise APIError(400, "streaming takes one prompt", param="prompt")
         ids = [await prompt_ids(p) for p in prompts]
         base, asked = req.sampling_params(DEFAULT_MAX_TOKENS), req.max_tokens is not None
+        await compile_constraint(base)
         params = [within_context(base, len(p), asked) for p in ids]
         kv = transfer_params(req.kv_transfer_params, len(ids))
         head = meta("cmpl", "text_completion", model_name)
@@ -118,6 +131,7 @@ def build_app(
         ids = await prompt_ids(rendered)
         asked = req.max_tokens is not None or req.max_completion_tokens is not None
         params = within_context(req.sampling_params(DEFAULT_MAX_TOKENS), len(ids), asked)
+        await compile_constraint(params)
         (kv,) = transfer_params(req.kv_transfer_params, 1)
         head = meta("chatcmpl", "chat.completion", model_name)
         run = engine.generate(ids, params, kv, req.cache_salt)

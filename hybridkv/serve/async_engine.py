@@ -22,6 +22,7 @@ from hybridkv.request.outputs import TokenLogprob
 from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.request.state import Request
 from hybridkv.serve.metrics import EngineMetrics
+from hybridkv.structured.spec import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 STATS_EVERY_S = 0.05  # while busy, the engine thread publishes stats for /metrics at most this often
@@ -113,6 +114,10 @@ class AsyncEngine:
     def check_prompt(self, prompt: str | list[int]) -> list[int]:
         """Tokenize and validate on the caller's side, so bad requests fail before they reach the engine."""
         return self.engine.check_prompt(prompt)
+
+    def compile_grammar(self, spec: StructuredOutputs) -> None:
+        """Compile a structured-output constraint before queueing (ValueError: what is wrong with it)."""
+        self.engine.compile_grammar(spec)
 
     def accept_transfer_params(self, raw: Any, num_prompts: int = 1) -> list[Any]:
         """Parse and verify client kv_transfer_params before queueing (see LLMEngine.accept_transfer_params)."""

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hybridkv.request.sampling_params import MAX_LOGPROBS, SamplingParams
+from hybridkv.structured.spec import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +24,9 @@ class APIError(Exception):
 
 STRICT = ConfigDict(strict=True)  # no coercion: `max_tokens: true` or `"seed": "3"` is a 400, not 1 or 3
 # OpenAI fields a client relies on when it sends them: refused by name rather than silently ignored.
-UNSUPPORTED = ("response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-               "suffix", "audio", "modalities", "prediction", "web_search_options", "guided_json", "guided_regex",
-               "guided_choice", "guided_grammar", "structured_outputs")  # fmt: skip
+UNSUPPORTED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "suffix", "audio",
+               "modalities", "prediction", "web_search_options", "guided_decoding_backend",
+               "guided_whitespace_pattern", "structural_tag")  # fmt: skip
 ANY = object()
 # Fields routers add to the requests they forward (vllm-router sends SGLang's and vLLM's extras): at these values
 # they change nothing we compute, so they are ignored at DEBUG rather than warned about once per request. Another
@@ -46,6 +47,39 @@ def _harmless(field: str, value: object) -> bool:
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: the schema under `schema`."""
+
+    model_config = ConfigDict(strict=True, populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the constraint is always enforced
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's `structured_outputs` (StructuredOutputsParams): exactly one of json, regex, choice, grammar,
+    json_object."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+    def spec(self) -> StructuredOutputs:
+        fields = self.model_dump(by_alias=True)
+        return StructuredOutputs.of(**fields)
 
 
 class _Sampling(BaseModel):
@@ -71,6 +105,13 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0)
     kv_transfer_params: dict[str, Any] | None = None  # prefill/decode disaggregation (vLLM's field)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # prefix-cache isolation (vLLM's)
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -91,15 +132,49 @@ class _Sampling(BaseModel):
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
                 logprobs=self._logprobs(),
+                structured_outputs=self._structured(),
             )
         except ValueError as e:
             raise APIError(400, str(e)) from e
+
+    def _structured(self) -> StructuredOutputs | None:
+        """The one constraint the request asks for, from whichever field states it; none, or a 400."""
+        found: list[tuple[str, Any]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            found.append(("response_format", self.response_format))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs))
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}  # fmt: skip
+        found += [(f"guided_{k}", (k, v)) for k, v in guided.items() if v is not None]
+        if not found:
+            return None
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise APIError(400, f"{names}: give one structured-output constraint, not several", param=found[0][0])
+        name, value = found[0]
+        try:
+            if isinstance(value, ResponseFormat):
+                return _response_format(value)
+            if isinstance(value, StructuredOutputsBody):
+                return value.spec()
+            return StructuredOutputs(*value, field=name)
+        except ValueError as e:
+            raise APIError(400, str(e) if str(e).startswith(name) else f"{name}: {e}", param=name) from e
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
     def _logprobs(self) -> int | None:
         return None
+
+
+def _response_format(rf: ResponseFormat) -> StructuredOutputs:
+    if rf.type == "json_object":
+        return StructuredOutputs("json_object", field="response_format")
+    if rf.json_schema is None:
+        raise ValueError("response_format: type json_schema needs json_schema.schema")
+    return StructuredOutputs("json", rf.json_schema.schema_, field="response_format.json_schema.schema")
 
 
 class CompletionRequest(_Sampling):

@@ -24,13 +24,14 @@ NORMAL = [{"prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
           for p in ("the quick brown fox", "hello world", "one two three four", "a b c")]  # fmt: skip
 VALID_EXTREMES = [{"temperature": 1e-300}, {"top_p": 1e-300, "seed": 3}, {"repetition_penalty": 1e-300, "seed": 4},
                   {"repetition_penalty": 1e300, "temperature": 1e-4, "seed": 5}]  # fmt: skip
+BAD_SCHEMA = {"name": "x", "schema": {"type": "no such type"}}
 INVALID = [
     ({"max_tokens": True}, "max_tokens"),
     ({"seed": "3"}, "seed"),
     ({"temperature": -1}, "temperature"),
     ({"top_p": 2}, "top_p"),
     ({"logit_bias": {"1": 5}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": BAD_SCHEMA}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"suffix": "!"}, "suffix"),
     ({"max_tokens": 100_000}, "max_tokens"),

@@ -1,0 +1,162 @@
+"""Structured output, piece by piece: specs, the compiler and its matchers on the embedded tokenizer, the mask in
+the sampler (only constrained rows change), and the request fields that carry a constraint."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hybridkv.engine.config import DEFAULT_MODEL_DIR
+from hybridkv.engine.tokenizer import Tokenizer
+from hybridkv.request.sampling_params import SamplingParams
+from hybridkv.runner.sampler import sample
+from hybridkv.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
+from hybridkv.structured import GrammarCompiler, StructuredOutputs
+from hybridkv.structured.grammar import unpack_np
+
+EOS = (1, 202, 427)  # the embedded model's
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(DEFAULT_MODEL_DIR, 428, EOS)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(DEFAULT_MODEL_DIR)
+
+
+def allowed_text(compiler: GrammarCompiler, tok: Tokenizer, matcher) -> set[str]:
+    mask = compiler.allowed([matcher])[0]
+    return {tok.token_text(i) for i in mask.nonzero().flatten().tolist()}
+
+
+def test_specs_are_normalized_and_bad_ones_name_their_field():
+    a = StructuredOutputs("json", {"b": 1, "type": "object"})
+    b = StructuredOutputs("json", '{"type": "object", "b": 1}')
+    assert a == b and hash(a) == hash(b)  # one cache entry for equal schemas however they were written
+    assert StructuredOutputs("choice", ["x", "y"]).spec == '["x","y"]'
+    assert StructuredOutputs.of(choice=["x", "y"]) == StructuredOutputs("choice", ["x", "y"])  # vLLM's spelling
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs.of(regex="a", choice=["a"])
+    for kind, spec, words in [("yaml", "", "unknown kind"), ("choice", [], "non-empty"), ("json", "{", "not valid"),
+                              ("json", [1], "must be an object"), ("regex", "", "non-empty")]:  # fmt: skip
+        with pytest.raises(ValueError, match=words) as e:
+            StructuredOutputs(kind, spec, field="guided_x")
+        assert str(e.value).startswith("guided_x")
+
+
+def test_matcher_masks_advances_and_finishes(compiler, tok):
+    m = compiler.matcher(StructuredOutputs("json", SCHEMA, disable_any_whitespace=True))
+    assert allowed_text(compiler, tok, m) == {"{"}
+    for t in tok.encode('{"ok":tru'):
+        if t != 2:  # BOS
+            assert m.accept(t)
+    assert allowed_text(compiler, tok, m) == {"e"}
+    assert not m.finished
+    assert m.accept(tok.encode("e")[-1]) and m.accept(tok.encode("}")[-1])
+    assert m.finished and allowed_text(compiler, tok, m) == {tok.token_text(i) for i in EOS}
+    fresh = compiler.matcher(StructuredOutputs("json", SCHEMA, disable_any_whitespace=True))
+    assert allowed_text(compiler, tok, fresh) == {"{"}  # the cached template was copied, never advanced
+    assert not fresh.accept(tok.encode("x")[-1])  # a token the constraint forbids
+
+
+def test_bad_constraints_fail_to_compile_naming_the_field(compiler):
+    for spec in [StructuredOutputs("json", {"type": "nonsense"}, field="response_format.json_schema.schema"),
+                 StructuredOutputs("json", {"type": "string", "pattern": "(("}, field="guided_json"),
+                 StructuredOutputs("regex", "((", field="guided_regex"),
+                 StructuredOutputs("grammar", "start: foo", field="structured_outputs.grammar")]:  # fmt: skip
+        with pytest.raises(ValueError) as e:
+            compiler.compile(spec)
+        assert str(e.value).startswith(spec.field), e.value
+
+
+def test_unpack_bit_order():
+    words = np.array([0b101, -(1 << 31)], dtype=np.int32)  # tokens 0, 2 and 63 (-(1 << 31): bit 31 only)
+    assert unpack_np(words, 64).nonzero()[0].tolist() == [0, 2, 63]
+    assert unpack_np(words, 40).nonzero()[0].tolist() == [0, 2]  # bits past the vocab are dropped
+    assert unpack_np(np.array([-1, -1], dtype=np.int32), 40).all()
+
+
+def test_mask_changes_constrained_rows_only():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    raw = logits.clone()
+    greedy, hot = SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=5)
+    params = [greedy, greedy, hot, hot]
+    gens = lambda: [None, None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]  # noqa: E731
+    free = sample(logits, params, gens())
+    mask = torch.zeros(2, 50, dtype=torch.bool)
+    mask[0, 7] = True  # row 1 may only pick 7
+    mask[1, [3, 4]] = True  # row 3 only 3 or 4
+    out = sample(logits, params, gens(), allowed=([1, 3], mask))
+    assert torch.equal(logits, raw)  # the caller's logits stay raw (logprobs read them)
+    assert out[1] == 7 and out[3] in (3, 4)
+    assert out[0] == free[0] and out[2] == free[2]  # unconstrained rows: same tokens, same generator draws
+
+
+def test_a_mask_that_leaves_nothing_fails_that_row_only():
+    logits = torch.randn(2, 10)
+    mask = torch.zeros(1, 10, dtype=torch.bool)
+    mask[0, 1] = True  # only EOS (1), which min_tokens bans
+    errors: dict[int, str] = {}
+    params = [SamplingParams(temperature=0)] * 2
+    out = sample(logits, params, [None, None], banned=[(), (1,)], errors=errors, allowed=([1], mask))
+    assert list(errors) == [1] and "structured-output" in errors[1]
+    assert out[0] == int(logits[0].argmax())
+
+
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+
+
+@pytest.mark.parametrize(
+    "fields, kind",
+    [({"response_format": {"type": "text"}}, None),
+     ({"response_format": {"type": "json_object"}}, "json_object"),
+     ({"response_format": SCHEMA_FORMAT}, "json"),
+     ({"guided_json": SCHEMA}, "json"),
+     ({"guided_json": json.dumps(SCHEMA)}, "json"),
+     ({"guided_choice": ["a", "b"]}, "choice"),
+     ({"guided_regex": "[0-9]+"}, "regex"),
+     ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}, "json"),
+     ({"structured_outputs": {"json_object": True}}, "json_object"),
+     ({"structured_outputs": {"choice": ["a"]}}, "choice"),
+     ({"structured_outputs": {"grammar": 'start: "a"'}}, "grammar")],
+)  # fmt: skip
+def test_request_fields_carry_the_constraint(fields, kind):
+    for model, body in [
+        (CompletionRequest, {"prompt": "x"}),
+        (ChatRequest, {"messages": [{"role": "u", "content": "x"}]}),
+    ]:
+        spec = parse(model, body | fields).sampling_params(16).structured_outputs
+        assert (spec.kind if spec else None) == kind
+        if spec is not None and kind == "json":
+            assert json.loads(spec.spec) == SCHEMA
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [({"response_format": {"type": "structural_tag"}}, "response_format"),
+     ({"response_format": {"type": "json_schema"}}, "response_format"),
+     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+     ({"response_format": {"type": "json_object"}, "guided_json": SCHEMA}, "response_format"),
+     ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "structured_outputs"),
+     ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),
+     ({"guided_choice": []}, "guided_choice"),
+     ({"guided_json": "{not json"}, "guided_json"),
+     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend")],
+)  # fmt: skip
+def test_unsupported_or_conflicting_constraints_are_400s_naming_the_field(fields, param):
+    with pytest.raises(APIError) as e:
+        parse(CompletionRequest, {"prompt": "x"} | fields).sampling_params(16)
+    assert e.value.status == 400 and param in e.value.message, e.value.message
