@@ -24,6 +24,7 @@ LAYERS = [
     "tiny_models",  # random tiny checkpoints; imports nothing of ours
     "native",
     "kv",
+    "structured",  # structured output: specs and llguidance grammar matchers (imports nothing of ours)
     "request",
     "models",
     "runner",
