@@ -12,11 +12,11 @@ it only when `poll()` lists the request in `released` (or `abort()` / `request_f
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridkv.json_config import json_object
 from hybridkv.kv.events import KVEventLog
 from hybridkv.kv.hashing import BlockHash
 from hybridkv.kv.memory import KVCacheMemory
@@ -46,16 +46,7 @@ class KVTransferConfig:
     @staticmethod
     def parse(value: str | dict[str, Any]) -> KVTransferConfig:
         """From a JSON string or a dict; unknown top-level keys are errors that name them."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from e
-        if not isinstance(value, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
-        unknown = set(value) - {"kv_connector", "kv_role", "kv_connector_extra_config"}
-        if unknown:
-            raise ValueError(f"--kv-transfer-config has unknown keys: {', '.join(sorted(unknown))}")
+        value = json_object(value, "--kv-transfer-config", ("kv_connector", "kv_role", "kv_connector_extra_config"))
         if "kv_connector" not in value:
             raise ValueError("--kv-transfer-config needs kv_connector, e.g. NixlConnector")
         return KVTransferConfig(**value)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from hybridkv.json_config import json_object
 
 PUBLISHERS = ("null", "zmq")
 SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -75,17 +76,5 @@ class KVEventsConfig:
     @staticmethod
     def parse(value: str | dict[str, Any]) -> KVEventsConfig:
         """From a JSON string or a dict; unknown keys are errors that name them."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-events-config is not valid JSON: {e}") from e
-        if not isinstance(value, dict):
-            raise ValueError("--kv-events-config must be a JSON object, e.g. '{\"enable_kv_cache_events\": true}'")
-        known = {f.name for f in fields(KVEventsConfig)}
-        unknown = set(value) - known
-        if unknown:
-            raise ValueError(
-                f"--kv-events-config has unknown keys: {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}"
-            )
+        value = json_object(value, "--kv-events-config", (f.name for f in fields(KVEventsConfig)))
         return KVEventsConfig(**value)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from hybridkv.json_config import json_object
 
 BACKENDS = ("auto", "guidance")  # vLLM's names for what we run: llguidance
 
@@ -29,15 +30,5 @@ class StructuredOutputsConfig:
             return raw
         if raw is None:
             return cls()
-        if isinstance(raw, str):
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"structured outputs config is not valid JSON: {e}") from e
-        if not isinstance(raw, dict):
-            raise ValueError(f"structured outputs config must be a JSON object, got {raw!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown structured outputs config keys {unknown}; known: {', '.join(sorted(known))}")
+        raw = json_object(raw, "--structured-outputs-config", (f.name for f in fields(cls)))
         return cls(**raw)

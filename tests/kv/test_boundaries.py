@@ -20,6 +20,7 @@ HYBRIDKV = KV.parent
 LAYERS = [
     "version",
     "units",
+    "json_config",  # the JSON options (vLLM's --*-config flags): parsing and key checks
     "launch",  # starts `hybridkv` processes (the sweep, tests); imports nothing of ours
     "tiny_models",  # random tiny checkpoints; imports nothing of ours
     "native",
