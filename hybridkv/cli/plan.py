@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from hybridkv.json_config import json_object
 from hybridkv.kv.layout import KV_LAYOUTS, cross_layers_enabled
 from hybridkv.kv.model_kv import load_hf_config
 from hybridkv.kv.plan import KVPlan
@@ -17,15 +18,7 @@ from hybridkv.units import format_bytes, parse_bytes
 
 
 def parse_extra_config(text: str | None) -> dict:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--kv-connector-extra-config is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"--kv-connector-extra-config must be a JSON object, got {text!r}")
-    return value
+    return json_object(text, "--kv-connector-extra-config", None) if text else {}
 
 
 def _fail(message: str) -> None:
