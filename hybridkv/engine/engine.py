@@ -314,12 +314,9 @@ class LLMEngine:
         penalized = any(r.params.penalized for r in reqs)
         history = [(r.prompt_token_ids, r.output_token_ids) for r in reqs] if penalized else ()
         errors: dict[int, str] = {}
-        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        allowed = None
-        if constrained:  # only constrained rows are asked for a mask; the others' logits stay untouched
-            allowed = (constrained, self.grammars.allowed([reqs[i].grammar for i in constrained]))
+        constraints = {i: r.grammar for i, r in enumerate(reqs) if r.grammar is not None}
         params = [r.params for r in reqs]
-        tokens = sample(logits, params, [r.generator for r in reqs], banned, history, errors, allowed)
+        tokens = sample(logits, params, [r.generator for r in reqs], banned, history, errors, constraints)
         for i, reason in errors.items():  # that request fails alone; the step goes on for the others
             logger.warning("request %s failed: %s", reqs[i].request_id, reason)
             reqs[i].error = reason

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from hybridkv.request.outputs import TokenLogprob
 from hybridkv.request.sampling_params import SamplingParams
+
+TOP_CANDIDATES = 8  # a greedy constrained row tries its best few tokens before it builds the full mask
+
+
+class TokenConstraint(Protocol):
+    """What a constrained row (structured output) may pick next: `allows` checks one token cheaply, `mask` lists
+    them all. Neither changes the constraint's state."""
+
+    def allows(self, token_id: int) -> bool: ...
+
+    def mask(self) -> torch.Tensor: ...  # [vocab] bool, never all False
 
 
 def sample(
@@ -18,15 +29,17 @@ def sample(
     banned: Sequence[Sequence[int]] = (),
     history: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
     errors: dict[int, str] | None = None,
-    allowed: tuple[Sequence[int], torch.Tensor] | None = None,
+    constraints: Mapping[int, TokenConstraint] | None = None,
 ) -> list[int]:
     """logits: [M, vocab]. `banned[i]` are token ids row i may not pick (EOS before min_tokens); `history[i]`:
-    row i's (prompt, output) token ids, needed only by rows with penalties. `allowed`: (rows, mask [len(rows),
-    vocab] bool), the only tokens those rows may pick (structured output); other rows are left as they are, bit for
-    bit. With `errors`, a row whose sampling raises is recorded there (row -> reason) and the others go on unchanged
-    (each has its own generator)."""
+    row i's (prompt, output) token ids, needed only by rows with penalties. `constraints[i]`: what row i may pick
+    (structured output); other rows are left as they are, bit for bit. With `errors`, a row whose sampling raises
+    is recorded there (row -> reason) and the others go on unchanged (each has its own generator).
+
+    A greedy constrained row builds its mask only when none of its best few tokens settles the choice (see
+    `_best_allowed`); the token is the masked row's argmax either way."""
     logits = logits.float()
-    if any(banned) or any(p.penalized for p in params) or allowed is not None:
+    if any(banned) or any(p.penalized for p in params):
         logits = logits.clone()  # the caller's logits stay raw (logprobs read them), and may be inference tensors
     for i, p in enumerate(params):
         if p.penalized:
@@ -36,32 +49,47 @@ def sample(
             logits[i, list(ids)] = float("-inf")
     if any(p.penalized for p in params):
         logits = finite(logits)  # a tiny repetition penalty divides a logit into inf
-    if allowed is not None:
-        _constrain(logits, *allowed, banned, errors)
     out = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
-        if not p.greedy and (errors is None or i not in errors):
-            out[i] = _guarded(errors, i, out[i], _draw, logits[i], p, generators[i])
+        if errors is not None and i in errors:
+            continue
+        row: torch.Tensor | None = logits[i]
+        if constraints and i in constraints:
+            best = _best_allowed(row, out[i], constraints[i]) if p.greedy else None
+            if best is not None:
+                out[i] = best
+                continue
+            row = _guarded(errors, i, None, _constrained, row, constraints[i], bool(banned and banned[i]))
+            if row is not None and p.greedy:
+                out[i] = int(row.argmax())
+        if row is not None and not p.greedy:
+            out[i] = _guarded(errors, i, out[i], _draw, row, p, generators[i])
     return out
 
 
-def _constrain(
-    logits: torch.Tensor,
-    rows: Sequence[int],
-    mask: torch.Tensor,
-    banned: Sequence[Sequence[int]],
-    errors: dict[int, str] | None,
-) -> None:
-    """Tokens outside `mask` get -inf in `rows`, in place (row views: other rows are never touched). A row left
-    with no token fails: its constraint allows only tokens banned before min_tokens, or stop_token_ids. (A mask
-    itself is never empty: a constraint always allows at least EOS.)"""
-    for j, i in enumerate(rows):
-        logits[i].masked_fill_(~mask[j], float("-inf"))
-        if banned and banned[i] and not bool((logits[i] > float("-inf")).any()):
-            reason = "no token satisfies both the structured-output constraint and min_tokens / stop_token_ids"
-            if errors is None:
-                raise ValueError(reason)
-            errors[i] = f"sampling failed: {reason}"
+def _best_allowed(row: torch.Tensor, argmax: int, constraint: TokenConstraint) -> int | None:
+    """The argmax of `row` masked by `constraint`, found without the mask, or None. The masked argmax is the first
+    index of the largest allowed value: the row's own `argmax` when allowed; else, in the row's top candidates
+    (descending), the first allowed one whose value no later candidate ties (a tie could hide an allowed token
+    with a lower index; the tokens before it are all forbidden). None when no candidate settles it."""
+    if constraint.allows(argmax):
+        return argmax
+    values, ids = row.topk(min(TOP_CANDIDATES, row.numel()))
+    values, ids = values.tolist(), ids.tolist()
+    for j in range(len(ids) - 1):
+        if ids[j] != argmax and constraint.allows(ids[j]):
+            return ids[j] if values[j + 1] < values[j] else None
+    return None
+
+
+def _constrained(row: torch.Tensor, constraint: TokenConstraint, banned: bool) -> torch.Tensor:
+    """A copy of `row` with -inf outside the constraint's mask. ValueError when nothing is left (only possible with
+    `banned` tokens): the constraint allows only tokens already banned (EOS before min_tokens, or stop_token_ids).
+    (A mask itself is never empty: a constraint always allows at least EOS.)"""
+    row = torch.where(constraint.mask(), row, float("-inf"))
+    if banned and not bool((row > float("-inf")).any()):
+        raise ValueError("no token satisfies both the structured-output constraint and min_tokens / stop_token_ids")
+    return row
 
 
 def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:

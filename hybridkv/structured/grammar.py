@@ -1,9 +1,12 @@
 """GrammarCompiler: a model's tokenizer in llguidance, compiled constraints cached by spec; GrammarMatcher: one
-request's position in its constraint, the mask of tokens it allows next, advanced by each sampled token.
+request's position in its constraint: whether it allows one token, the mask of all it allows next, advanced by each
+sampled token.
 
-llguidance runs on the CPU, one matcher per request: the engine asks only constrained requests for a mask, so an
-unconstrained request in the same batch costs nothing more (benchmarks/bench_grammar.py measured it against
-xgrammar: a few microseconds per token either way; llguidance has no dependencies and reads tokenizer.json).
+llguidance runs on the CPU, one matcher per request, on the engine thread. Only constrained rows ask, and a greedy
+row asks `allows` about its best few tokens before it builds a mask (runner/sampler.py): after the model's forward
+the caches are cold and a mask costs ~150 us on the tiny benchmark model, a check ~20 us. benchmarks/bench_grammar.py
+measured llguidance against xgrammar: a few microseconds per token either way, warm; llguidance has no dependencies
+and reads tokenizer.json.
 """
 
 from __future__ import annotations
@@ -14,8 +17,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import llguidance
-import llguidance.numpy as llg_numpy
-import numpy as np
 import torch
 
 from hybridkv.structured.spec import StructuredOutputs
@@ -27,17 +28,24 @@ class GrammarMatcher:
     """One request's constraint state. Invariant: it has consumed exactly the request's output tokens, in order
     (a preempted request keeps its output, so its matcher stays valid when it is recomputed)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
-        self._m, self._vocab_size = matcher, vocab_size
-        self._bitmask = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._m, self._vocab_size, self._eos = matcher, vocab_size, eos_token_ids
+        self._words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)  # llguidance writes the mask here
 
-    def allowed(self) -> torch.Tensor:
+    def allows(self, token_id: int) -> bool:
+        """Whether the constraint allows `token_id` next, as `mask()[token_id]` says (no state changes; far
+        cheaper than `mask`)."""
+        if self._m.is_stopped():  # llguidance validates no token once stopped; the mask then holds EOS
+            return token_id in self._eos
+        return self._m.validate_tokens([token_id]) == 1
+
+    def mask(self) -> torch.Tensor:
         """[vocab_size] bool: the tokens allowed next. A finished (or failed) matcher allows only EOS.
 
         Computed on the engine thread, when asked: a worker thread computing it during the model's forward
-        slowed the whole batch on a CPU machine (the forward uses the cores; benchmarks/bench_offline.py)."""
-        llg_numpy.fill_next_token_bitmask(self._m, self._bitmask, 0)
-        return torch.from_numpy(unpack_np(self._bitmask[0], self._vocab_size))
+        slowed the whole batch on a CPU machine (GIL hand-offs at every op of the forward)."""
+        self._m.unsafe_compute_mask_ptr(self._words.data_ptr(), self._words.numel() * 4)
+        return unpack(self._words, self._vocab_size)
 
     def accept(self, token_id: int) -> bool:
         """Advance by the sampled token; False when the constraint does not allow it (the matcher then failed)."""
@@ -63,7 +71,7 @@ class GrammarCompiler:
             raise ValueError(f"{model_dir} has no tokenizer.json: structured output needs the model's tokenizer")
         if not eos_token_ids:
             raise ValueError(f"{model_dir} names no EOS token: structured output needs one to end a request")
-        self.vocab_size = vocab_size
+        self.vocab_size, self._eos = vocab_size, frozenset(eos_token_ids)
         self._tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._cache: OrderedDict[StructuredOutputs, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
@@ -91,14 +99,12 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
         """A fresh matcher for one request (a copy of the cached template: cheap once compiled)."""
-        return GrammarMatcher(self.compile(spec).deep_copy(), self.vocab_size)
-
-    def allowed(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
-        """[len(matchers), vocab_size] bool: the tokens each matcher allows next."""
-        return torch.stack([m.allowed() for m in matchers])
+        return GrammarMatcher(self.compile(spec).deep_copy(), self.vocab_size, self._eos)
 
 
-def unpack_np(words: np.ndarray, vocab_size: int) -> np.ndarray:
-    """int32 words -> bool [vocab_size]; bit i of word w is token 32*w+i (the words are little-endian bytes)."""
-    bits = np.unpackbits(words.astype("<i4").view(np.uint8), bitorder="little")
-    return bits[:vocab_size].astype(bool)
+_BITS = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)  # bit i of an int32 word
+
+
+def unpack(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 words [W] -> bool [vocab_size]; bit i of word w is token 32*w+i."""
+    return words.unsqueeze(1).bitwise_and(_BITS).ne(0).flatten()[:vocab_size]

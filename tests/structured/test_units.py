@@ -4,18 +4,18 @@ the sampler (only constrained rows change), and the request fields that carry a 
 from __future__ import annotations
 
 import json
+from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from hybridkv.engine.tokenizer import Tokenizer
 from hybridkv.request.sampling_params import SamplingParams
-from hybridkv.runner.sampler import sample
+from hybridkv.runner.sampler import TOP_CANDIDATES, sample
 from hybridkv.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 from hybridkv.structured import GrammarCompiler, StructuredOutputs
-from hybridkv.structured.grammar import unpack_np
+from hybridkv.structured.grammar import unpack
 
 EOS = (1, 202, 427)  # the embedded model's
 SCHEMA = {
@@ -37,7 +37,8 @@ def tok() -> Tokenizer:
 
 
 def allowed_text(compiler: GrammarCompiler, tok: Tokenizer, matcher) -> set[str]:
-    mask = compiler.allowed([matcher])[0]
+    mask = matcher.mask()
+    assert all(matcher.allows(i) == bool(mask[i]) for i in range(mask.numel()))  # the cheap check agrees
     return {tok.token_text(i) for i in mask.nonzero().flatten().tolist()}
 
 
@@ -82,10 +83,26 @@ def test_bad_constraints_fail_to_compile_naming_the_field(compiler):
 
 
 def test_unpack_bit_order():
-    words = np.array([0b101, -(1 << 31)], dtype=np.int32)  # tokens 0, 2 and 63 (-(1 << 31): bit 31 only)
-    assert unpack_np(words, 64).nonzero()[0].tolist() == [0, 2, 63]
-    assert unpack_np(words, 40).nonzero()[0].tolist() == [0, 2]  # bits past the vocab are dropped
-    assert unpack_np(np.array([-1, -1], dtype=np.int32), 40).all()
+    words = torch.tensor([0b101, -(1 << 31)], dtype=torch.int32)  # tokens 0, 2 and 63 (-(1 << 31): bit 31 only)
+    assert unpack(words, 64).nonzero().flatten().tolist() == [0, 2, 63]
+    assert unpack(words, 40).nonzero().flatten().tolist() == [0, 2]  # bits past the vocab are dropped
+    assert unpack(torch.tensor([-1, -1], dtype=torch.int32), 40).all()
+
+
+class Allowed:
+    """A constraint allowing a fixed set of tokens; counts how often its full mask was built."""
+
+    def __init__(self, vocab: int, tokens: list[int]) -> None:
+        self._mask = torch.zeros(vocab, dtype=torch.bool)
+        self._mask[tokens] = True
+        self.masks = 0
+
+    def allows(self, token_id: int) -> bool:
+        return bool(self._mask[token_id])
+
+    def mask(self) -> torch.Tensor:
+        self.masks += 1
+        return self._mask.clone()
 
 
 def test_mask_changes_constrained_rows_only():
@@ -96,10 +113,8 @@ def test_mask_changes_constrained_rows_only():
     params = [greedy, greedy, hot, hot]
     gens = lambda: [None, None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]  # noqa: E731
     free = sample(logits, params, gens())
-    mask = torch.zeros(2, 50, dtype=torch.bool)
-    mask[0, 7] = True  # row 1 may only pick 7
-    mask[1, [3, 4]] = True  # row 3 only 3 or 4
-    out = sample(logits, params, gens(), allowed=([1, 3], mask))
+    constraints = {1: Allowed(50, [7]), 3: Allowed(50, [3, 4])}  # row 1 may only pick 7, row 3 only 3 or 4
+    out = sample(logits, params, gens(), constraints=constraints)
     assert torch.equal(logits, raw)  # the caller's logits stay raw (logprobs read them)
     assert out[1] == 7 and out[3] in (3, 4)
     assert out[0] == free[0] and out[2] == free[2]  # unconstrained rows: same tokens, same generator draws
@@ -107,13 +122,46 @@ def test_mask_changes_constrained_rows_only():
 
 def test_a_mask_that_leaves_nothing_fails_that_row_only():
     logits = torch.randn(2, 10)
-    mask = torch.zeros(1, 10, dtype=torch.bool)
-    mask[0, 1] = True  # only EOS (1), which min_tokens bans
     errors: dict[int, str] = {}
     params = [SamplingParams(temperature=0)] * 2
-    out = sample(logits, params, [None, None], banned=[(), (1,)], errors=errors, allowed=([1], mask))
+    only_eos = {1: Allowed(10, [1])}  # only EOS (1), which min_tokens bans
+    out = sample(logits, params, [None, None], banned=[(), (1,)], errors=errors, constraints=only_eos)
     assert list(errors) == [1] and "structured-output" in errors[1]
     assert out[0] == int(logits[0].argmax())
+
+
+def test_greedy_rows_build_a_mask_only_when_their_best_tokens_do_not_settle_it():
+    """The fast paths: an allowed argmax is taken as it is; else the best allowed token among the top candidates;
+    else the mask. Over random rows and constraints, the token equals masking first, and each path ran."""
+    gen = torch.Generator().manual_seed(3)
+    greedy = [SamplingParams(temperature=0)]
+    paths = Counter()
+    for _ in range(300):
+        row = torch.randn(1, 64, generator=gen)
+        tokens = torch.randperm(64, generator=gen)[: int(torch.randint(1, 40, (1,), generator=gen))].tolist()
+        constraint = Allowed(64, tokens)
+        masked = row[0].masked_fill(~constraint.mask(), float("-inf"))
+        constraint.masks = 0
+        assert sample(row, greedy, [None], constraints={0: constraint}) == [int(masked.argmax())]
+        rank = row[0].argsort(descending=True).tolist().index(int(masked.argmax()))
+        path = "argmax" if rank == 0 else "candidates" if rank < TOP_CANDIDATES - 1 else "mask"
+        assert constraint.masks == (path == "mask"), (rank, constraint.masks)
+        paths[path] += 1
+    assert min(paths.values()) > 20, paths  # every path ran
+
+
+def test_ties_among_the_best_tokens_fall_back_to_the_mask():
+    """Equal logits: the masked argmax is the lowest allowed index, which the candidates' order may not show."""
+    row = torch.zeros(1, 16)
+    row[0, 9] = 2.0  # the argmax, forbidden
+    row[0, [5, 3]] = 1.0  # both allowed and tied: the first maximum is 3, whatever order topk lists them in
+    constraint = Allowed(16, [3, 5])
+    assert sample(row, [SamplingParams(temperature=0)], [None], constraints={0: constraint}) == [3]
+    assert constraint.masks == 1
+    row[0, 5] = 0.5  # now 3 is the single next best: settled without the mask
+    constraint.masks = 0
+    assert sample(row, [SamplingParams(temperature=0)], [None], constraints={0: constraint}) == [3]
+    assert constraint.masks == 0
 
 
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
