@@ -12,9 +12,10 @@ random weights are scaled so greedy outputs vary, since sequences that repeat on
 little.
 
 Structured output, hybridkv alone (the same model with a tokenizer): a batch of 16 where one request is constrained
-by a JSON schema it cannot complete in 64 tokens (so it is masked at every step) against 16 unconstrained, the two
-alternating in each repetition; printed: the other 15's tokens/s both ways, their ratio, and whether the 15 got the
-same tokens both ways.
+by a JSON schema it cannot complete in 64 tokens (so it is constrained at every step), greedy or sampled, against 16
+free requests twice (the noise), all alternating in each repetition; printed: the other 15's tokens/s each way, the
+ratios per repetition against the free batch and whether they fall within the free/free noise, and whether the 15
+got the same tokens every way.
 
     python benchmarks/bench_offline.py [--threads 2] [--repeats 5] [--profile] [--vllm-venv /work/vllm-venv]
         [--vllm-bind nobind|auto|CPU-LIST]
@@ -23,6 +24,7 @@ same tokens both ways.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -199,9 +201,10 @@ def start_vllm(venv: Path, folder: Path, threads: int, bind: str) -> VllmWorker 
 LONG_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 400}}, "required": ["text"]}
 
 
-def structured_runner(folder: Path) -> Callable[[list[list[int]], bool], tuple[float, list[list[int]]]]:
-    """hybridkv on `folder` plus a tokenizer; the returned function times one batch, its last request constrained
-    (or not): (seconds, tokens of the others)."""
+def structured_runner(folder: Path) -> Callable[[list[list[int]], str], tuple[float, list[list[int]]]]:
+    """hybridkv on `folder` plus a tokenizer; the returned function times one batch whose last request is greedy or
+    sampled ("free greedy", "free sampled"), and constrained or not ("json greedy", "json sampled"): (seconds,
+    tokens of the others)."""
     import shutil
 
     from hybridkv.engine.llm import LLM
@@ -215,45 +218,53 @@ def structured_runner(folder: Path) -> Callable[[list[list[int]], bool], tuple[f
     llm = LLM(str(with_tok), dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
     free = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
     spec = StructuredOutputs("json", LONG_SCHEMA, disable_any_whitespace=True)
-    constrained = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, structured_outputs=spec)
-    llm.generate([[5, 6, 7]], [constrained])  # warm-up, and the schema compiled once (cached, as a server's is)
+    sampled = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.8, seed=1)
+    last = {"free greedy": free, "free sampled": sampled}
+    for kind, p in list(last.items()):
+        last[kind.replace("free", "json")] = dataclasses.replace(p, min_tokens=0, structured_outputs=spec)
+    llm.generate([[5, 6, 7]], [last["json greedy"]])  # warm-up, and the schema compiled once (cached, as a server's is)
 
-    def run(batch: list[list[int]], structured: bool) -> tuple[float, list[list[int]]]:
-        params = [free] * (len(batch) - 1) + [constrained if structured else free]
+    def run(batch: list[list[int]], kind: str) -> tuple[float, list[list[int]]]:
         start = time.perf_counter()
-        outs = llm.generate(batch, params)
+        outs = llm.generate(batch, [free] * (len(batch) - 1) + [last[kind]])
         elapsed = time.perf_counter() - start
-        last = outs[-1].outputs[0]
-        if structured and not (len(last.token_ids) == NEW_TOKENS and last.text.startswith('{"text":"')):
-            raise RuntimeError(f"the constrained request did not run masked for {NEW_TOKENS} tokens: {last.text!r}")
+        out = outs[-1].outputs[0]
+        if kind.startswith("json") and not (len(out.token_ids) == NEW_TOKENS and out.text.startswith('{"text":"')):
+            raise RuntimeError(f"the constrained request did not run masked for {NEW_TOKENS} tokens: {out.text!r}")
         return elapsed, [list(o.outputs[0].token_ids) for o in outs[:-1]]
 
     return run
 
 
 def bench_structured(folder: Path, repeats: int) -> None:
-    """Three batches per repetition, in rotating order: 16 unconstrained, 15 + 1 constrained, and 16 unconstrained
-    again; the two unconstrained ones show the noise the constrained one is within, or not."""
+    """Per repetition, in rotating order, batches of 16 whose 16th request is free or constrained, greedy or sampled,
+    and the free greedy one again. Each constrained batch's time is compared with the same batch free, in its own
+    repetition; the free greedy pair gives the noise: a constrained batch is within noise when its median ratio lies
+    inside the interquartile range of the free/free ratios."""
     run = structured_runner(folder)
-    variants = ("none", "one structured", "none again")
+    variants = ("free greedy", "json greedy", "free sampled", "json sampled", "free greedy again")
     times: dict[str, list[float]] = {v: [] for v in variants}
     same = 0
     for rep in range(-1, repeats):
         batch = prompts(16, seed=7000 + rep)
         outs = {}
-        for v in variants[rep % 3 :] + variants[: rep % 3]:
-            seconds, outs[v] = run(batch, v == "one structured")
+        for v in variants[rep % 5 :] + variants[: rep % 5]:
+            seconds, outs[v] = run(batch, v.removesuffix(" again"))
             if rep >= 0:
                 times[v].append(seconds)
-        same += rep >= 0 and outs["none"] == outs["one structured"] == outs["none again"]
-    print(f"\nstructured output: the tok/s of 15 unconstrained requests x {NEW_TOKENS} tokens in a batch of 16 whose "
-          f"16th is unconstrained or JSON-schema constrained ({repeats} repetitions, order rotating)")  # fmt: skip
-    for stat, pick in (("best", min), ("median", statistics.median)):
-        rate = {v: 15 * NEW_TOKENS / pick(times[v]) for v in variants}
-        cells = ", ".join(f"{v} {r:.0f}" for v, r in rate.items())
-        print(f"  {stat:<6}: {cells}; ratio structured/none {rate['one structured'] / rate['none']:.3f}, "
-              f"noise (none again/none) {rate['none again'] / rate['none']:.3f}")  # fmt: skip
-    print(f"  the 15's tokens identical in all three: {same}/{repeats}")
+        same += rep >= 0 and all(out == outs["free greedy"] for out in outs.values())
+    print(f"\nstructured output: the tok/s of 15 free requests x {NEW_TOKENS} greedy tokens in a batch of 16 whose "
+          f"16th is free or JSON-schema constrained ({repeats} repetitions, order rotating)")  # fmt: skip
+    rate = {v: 15 * NEW_TOKENS / statistics.median(times[v]) for v in variants}
+    print("  median tok/s: " + ", ".join(f"{v} {r:.0f}" for v, r in rate.items()))
+    noise = sorted(a / b for a, b in zip(times["free greedy"], times["free greedy again"]))  # rate again / first
+    q1, q3 = noise[len(noise) // 4], noise[(3 * len(noise)) // 4]
+    print(f"  noise: free/free rate ratio median {statistics.median(noise):.3f}, interquartile {q1:.3f}..{q3:.3f}")
+    for mode in ("greedy", "sampled"):
+        ratio = statistics.median(a / b for a, b in zip(times[f"free {mode}"], times[f"json {mode}"]))
+        verdict = "within noise" if q1 <= ratio <= q3 else ("slower" if ratio < q1 else "faster") + " than noise"
+        print(f"  16th {mode:<7}: rate ratio constrained/free, median {ratio:.3f}: {verdict}")
+    print(f"  the 15's tokens identical in all five: {same}/{repeats}")
 
 
 def repeated(tokens: list[int]) -> bool:
