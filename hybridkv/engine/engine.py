@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,7 +35,7 @@ from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.request.state import Request, RequestStatus
 from hybridkv.runner.model_runner import ModelRunner
 from hybridkv.runner.sampler import sample, token_logprobs
-from hybridkv.structured.grammar import GrammarCompiler
+from hybridkv.structured.constraints import Constraints
 from hybridkv.structured.spec import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -101,8 +99,9 @@ class LLMEngine:
             self.tokenizer = None
         self.eos_token_ids = eos_token_ids(config.model, hf)
         self.vocab_size: int = text["vocab_size"]
-        self._grammars: GrammarCompiler | None = None  # made on the first structured request
-        self._grammars_lock = threading.Lock()
+        self.constraints = Constraints(
+            config.model, self.vocab_size, self.eos_token_ids, config.structured_outputs_config
+        )
         self._ids = itertools.count()
         self._texts: dict[str, IncrementalDetokenizer] = {}  # unfinished requests' text and stop rules
         self.kv_publisher: ZmqEventPublisher | None = None
@@ -126,26 +125,10 @@ class LLMEngine:
         ValueError. Thread-safe: the server calls it before queueing."""
         return check_prompt(self.tokenize(prompt), self.max_model_len, self.vocab_size)
 
-    @property
-    def grammars(self) -> GrammarCompiler:
-        """The structured-output compiler for this model's vocabulary (thread-safe; ValueError without a
-        tokenizer)."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.config.model, self.vocab_size, self.eos_token_ids)
-            return self._grammars
-
     def compile_grammar(self, spec: StructuredOutputs) -> None:
         """Compile (and cache) a request's constraint: ValueError names what is wrong. Thread-safe: the server
         calls it before queueing, so the engine thread only copies the compiled grammar."""
-        self.grammars.compile(self._resolved(spec))
-
-    def _resolved(self, spec: StructuredOutputs) -> StructuredOutputs:
-        """The spec with the server-wide defaults filled in (what the compiled-grammar cache is keyed by)."""
-        if spec.disable_any_whitespace is None:
-            default = self.config.structured_outputs_config.disable_any_whitespace
-            return replace(spec, disable_any_whitespace=default)
-        return spec
+        self.constraints.compile(spec)
 
     def add_request(
         self,
@@ -162,7 +145,7 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, ids, params, self.plan.block_size, self.eos_token_ids, cache_salt, kv_transfer_params)
         if params.structured_outputs is not None:
-            req.grammar = self.grammars.matcher(self._resolved(params.structured_outputs))
+            req.grammar = self.constraints.matcher(params.structured_outputs)
         self.scheduler.add(req)
         self._texts[rid] = IncrementalDetokenizer(self.tokenizer, req, self.max_model_len)
         return req
@@ -213,25 +196,17 @@ class LLMEngine:
             self.kv_publisher.shutdown()
 
     def kv_events_state(self) -> dict[str, Any] | None:
-        """What KV events reported so far (/admin/kv): the last batch number, the batches lost, and per medium and
-        group the hashes (hex) the tier holds. Call it on the thread that steps the engine: it publishes what is
-        pending first, so replaying batches [0, last_seq] yields `cached` (exactly, while no offload load or store
-        is in flight on another thread). None without KV events."""
+        """What KV events reported so far (/admin/kv, `ZmqEventPublisher.state`) with what each tier holds. Call it
+        on the thread that steps the engine: it publishes what is pending first, so replaying batches [0, last_seq]
+        yields `cached` (exactly, while no offload load or store is in flight on another thread). None without KV
+        events."""
         if self.kv_publisher is None:
             return None
         self._publish_kv_events()  # records an offload thread logged since the last step
         tiers = {MEDIUM_GPU: self.kv.pool.cached_hashes()}
         if self.connector is not None:
             tiers |= self.connector.kv_event_tiers()
-        p = self.kv_publisher
-        return {
-            "last_seq": p.last_seq,
-            "dropped_batches": p.queue_full_drops + p.send_failures,
-            "cached": {
-                medium: {str(g): sorted(h.hex() for h in hs) for g, hs in sorted(groups.items())}
-                for medium, groups in tiers.items()
-            },
-        }
+        return self.kv_publisher.state(tiers)
 
     def stats(self, check_integrity: bool = False) -> EngineStats:
         """The one snapshot of counters and gauges (/metrics, /admin/kv); with `check_integrity`, also the KV

@@ -24,7 +24,8 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import zmq
 
@@ -93,6 +94,18 @@ class ZmqEventPublisher:
     def last_seq(self) -> int:
         """The number of the last batch handed to `publish` (-1 before the first)."""
         return self._next_seq - 1
+
+    def state(self, tiers: Mapping[str, Mapping[int, Iterable[bytes]]]) -> dict[str, Any]:
+        """The last batch number, the batches lost, and per medium and group the block hashes (hex) that `tiers`
+        (medium -> group -> hashes) hold: what a subscriber that replayed everything should have rebuilt."""
+        return {
+            "last_seq": self.last_seq,
+            "dropped_batches": self.queue_full_drops + self.send_failures,
+            "cached": {
+                medium: {str(g): sorted(h.hex() for h in hs) for g, hs in sorted(groups.items())}
+                for medium, groups in tiers.items()
+            },
+        }
 
     def alive(self) -> bool:
         return self._thread.is_alive() or self._stopping
