@@ -1,6 +1,7 @@
 """vllm-router (PyPI, the vLLM project's PD router) in front of 2 prefill x 2 decode instances, as users deploy it:
 with `round_robin` and with `cache_aware`, completions (batched, streamed, with logprobs) and chat equal one
-instance, every request's KV moved into a decoder, and the fields the router adds are ignored without a warning."""
+instance, every request's KV moved into a decoder, a constrained request's output validates and equals one
+instance's, and the fields the router adds are ignored without a warning."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import shutil
 
 import httpx
+import jsonschema
 import pytest
 
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
@@ -16,6 +18,12 @@ from tests.procs import Process, free_port
 
 MODEL = str(DEFAULT_MODEL_DIR)
 PROMPTS = [it["prompt"] for it in HELDOUT[80:84]]
+SCHEMA = {  # "structured-ok" is a value no model writes unconstrained: a valid output shows the constraint ran
+    "type": "object",
+    "properties": {"marker": {"enum": ["structured-ok"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["marker", "n"],
+    "additionalProperties": False,
+}
 
 if shutil.which("vllm-router") is None:
     pytest.skip("vllm-router is not installed (it is in the test extra)", allow_module_level=True)
@@ -51,7 +59,8 @@ def prompt_tokens(procs: list[Process]) -> list[float]:
 
 
 def complete(url: str, prompt, **extra) -> httpx.Response:
-    body = {"model": "default-model", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    body = {"model": "default-model", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    body |= {"ignore_eos": "structured_outputs" not in extra}  # a constrained request ends with its grammar
     return httpx.post(f"{url}/v1/completions", json=body | extra, timeout=120)
 
 
@@ -99,6 +108,14 @@ def test_vllm_router_over_two_by_two_equals_one_instance(mesh, expected, policy)
                 "temperature": 0}  # fmt: skip
         r = httpx.post(f"{front.url}/v1/chat/completions", json=chat, timeout=120)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+        constrained = {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}, "max_tokens": 40}
+        before = reads(decode)
+        routed = complete(front.url, PROMPTS[2], **constrained)
+        assert routed.status_code == 200, routed.text
+        assert sum(reads(decode)) - sum(before) == 1  # through PD, not answered by a prefill alone
+        text = routed.json()["choices"][0]["text"]
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert text == complete(decode[0].url, PROMPTS[2], **constrained).json()["choices"][0]["text"]  # alone
         assert_clean(*prefill, *decode)
         for p in (*prefill, *decode):
             assert "request fields ignored" not in p.output(), p.output()  # router extras are not warned about
