@@ -36,8 +36,9 @@ def sample(
     (structured output); other rows are left as they are, bit for bit. With `errors`, a row whose sampling raises
     is recorded there (row -> reason) and the others go on unchanged (each has its own generator).
 
-    A greedy constrained row builds its mask only when none of its best few tokens settles the choice (see
-    `_best_allowed`); the token is the masked row's argmax either way."""
+    A constrained row builds its mask only when a cheaper exact way fails (`_constrained`): greedy, when none of
+    its best few tokens settles the choice; at a temperature alone, when a draw from the whole row is forbidden.
+    With top-k or top-p it is masked first."""
     logits = logits.float()
     if any(banned) or any(p.penalized for p in params):
         logits = logits.clone()  # the caller's logits stay raw (logprobs read them), and may be inference tensors
@@ -53,18 +54,40 @@ def sample(
     for i, p in enumerate(params):
         if errors is not None and i in errors:
             continue
-        row: torch.Tensor | None = logits[i]
         if constraints and i in constraints:
-            best = _best_allowed(row, out[i], constraints[i]) if p.greedy else None
-            if best is not None:
-                out[i] = best
-                continue
-            row = _guarded(errors, i, None, _constrained, row, constraints[i], bool(banned and banned[i]))
-            if row is not None and p.greedy:
-                out[i] = int(row.argmax())
-        if row is not None and not p.greedy:
-            out[i] = _guarded(errors, i, out[i], _draw, row, p, generators[i])
+            ban = bool(banned and banned[i])
+            out[i] = _guarded(errors, i, out[i], _constrained, logits[i], out[i], p, generators[i], constraints[i], ban)
+        elif not p.greedy:
+            out[i] = _guarded(errors, i, out[i], _draw, logits[i], p, generators[i])
     return out
+
+
+def _constrained(
+    row: torch.Tensor,
+    argmax: int,
+    p: SamplingParams,
+    generator: torch.Generator | None,
+    constraint: TokenConstraint,
+    banned: bool,
+) -> int:
+    """One constrained row's token, `row`'s `argmax` given. Without the mask where that is exact: greedy, one of
+    the best few tokens (`_best_allowed`); at a temperature alone, a draw from the whole row kept when allowed
+    (P(t) = p(t) + (1 - Z) p(t) / Z = p(t) / Z for an allowed t, Z the allowed mass: the masked distribution).
+    Else from the masked row; ValueError when nothing is left there (only possible with `banned` tokens: the
+    constraint allows only EOS before min_tokens, or stop_token_ids). A mask itself is never empty."""
+    if p.greedy:
+        best = _best_allowed(row, argmax, constraint)
+    elif p.top_k <= 0 and p.top_p >= 1.0:
+        token = _draw(row, p, generator)
+        best = token if constraint.allows(token) else None
+    else:  # top-k / top-p keep the best *allowed* tokens: only the mask shows which
+        best = None
+    if best is not None:
+        return best
+    row = torch.where(constraint.mask(), row, float("-inf"))
+    if banned and not bool((row > float("-inf")).any()):
+        raise ValueError("no token satisfies both the structured-output constraint and min_tokens / stop_token_ids")
+    return int(row.argmax()) if p.greedy else _draw(row, p, generator)
 
 
 def _best_allowed(row: torch.Tensor, argmax: int, constraint: TokenConstraint) -> int | None:
@@ -80,16 +103,6 @@ def _best_allowed(row: torch.Tensor, argmax: int, constraint: TokenConstraint) -
         if ids[j] != argmax and constraint.allows(ids[j]):
             return ids[j] if values[j + 1] < values[j] else None
     return None
-
-
-def _constrained(row: torch.Tensor, constraint: TokenConstraint, banned: bool) -> torch.Tensor:
-    """A copy of `row` with -inf outside the constraint's mask. ValueError when nothing is left (only possible with
-    `banned` tokens): the constraint allows only tokens already banned (EOS before min_tokens, or stop_token_ids).
-    (A mask itself is never empty: a constraint always allows at least EOS.)"""
-    row = torch.where(constraint.mask(), row, float("-inf"))
-    if banned and not bool((row > float("-inf")).any()):
-        raise ValueError("no token satisfies both the structured-output constraint and min_tokens / stop_token_ids")
-    return row
 
 
 def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:

@@ -2,11 +2,11 @@
 request's position in its constraint: whether it allows one token, the mask of all it allows next, advanced by each
 sampled token.
 
-llguidance runs on the CPU, one matcher per request, on the engine thread. Only constrained rows ask, and a greedy
-row asks `allows` about its best few tokens before it builds a mask (runner/sampler.py): after the model's forward
-the caches are cold and a mask costs ~150 us on the tiny benchmark model, a check ~20 us. benchmarks/bench_grammar.py
-measured llguidance against xgrammar: a few microseconds per token either way, warm; llguidance has no dependencies
-and reads tokenizer.json.
+llguidance runs on the CPU, one matcher per request, on the engine thread. Only constrained rows ask, and they ask
+`allows` about a token or a few (the greedy best, a draw) before they build a mask (runner/sampler.py): after the
+model's forward the caches are cold and a mask costs ~150 us on the tiny benchmark model, a check ~20 us.
+benchmarks/bench_grammar.py measured llguidance against xgrammar: a few microseconds per token either way, warm;
+llguidance has no dependencies and reads tokenizer.json.
 """
 
 from __future__ import annotations

@@ -49,12 +49,13 @@ def check(out) -> dict:
 
 def test_mixed_batch_constrained_validate_and_unconstrained_are_unchanged(llm):
     alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, FREE)]
-    mixed = [PROMPTS[0], "give me json", PROMPTS[1], PROMPTS[2], "json again", PROMPTS[3]]
-    params = [FREE, constrained(temperature=0), FREE, FREE, constrained(temperature=1.0, seed=7), FREE]
+    mixed = [PROMPTS[0], "give me json", PROMPTS[1], PROMPTS[2], "json again", PROMPTS[3], "top-p json"]
+    hot = [constrained(temperature=1.0, seed=7), constrained(temperature=1.0, top_p=0.9, top_k=20, seed=3)]
+    params = [FREE, constrained(temperature=0), FREE, FREE, hot[0], FREE, hot[1]]  # greedy, temperature, filtered
     outs = [o.outputs[0] for o in llm.generate(mixed, params)]
     assert [outs[i].token_ids for i in (0, 2, 3, 5)] == alone
-    check(outs[1])
-    check(outs[4])
+    for i in (1, 4, 6):
+        check(outs[i])
 
 
 def test_json_object_choice_and_regex(llm):

@@ -16,6 +16,7 @@ from hybridkv.runner.sampler import TOP_CANDIDATES, sample
 from hybridkv.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 from hybridkv.structured import GrammarCompiler, StructuredOutputs
 from hybridkv.structured.grammar import unpack
+from tests.runner.test_sampler_filters import LOGITS, assert_frequencies_match, reference
 
 EOS = (1, 202, 427)  # the embedded model's
 SCHEMA = {
@@ -162,6 +163,26 @@ def test_ties_among_the_best_tokens_fall_back_to_the_mask():
     constraint.masks = 0
     assert sample(row, [SamplingParams(temperature=0)], [None], constraints={0: constraint}) == [3]
     assert constraint.masks == 0
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_sampled_rows_draw_from_the_masked_distribution(top_k):
+    """At a temperature alone a row draws from the whole row and builds the mask only when the draw is forbidden;
+    with top-k it is masked first (top-k must keep the best *allowed* tokens). Either way the draws follow the
+    masked distribution (chi-square against it, computed independently)."""
+    allowed = [0, 2, 3, 5, 9]  # token 1, the most probable, is forbidden: many first draws are rejected
+    n = 4000
+    params = SamplingParams(temperature=0.7, top_k=top_k, seed=1)
+    constraint = Allowed(10, allowed)
+    gen = torch.Generator().manual_seed(5)
+    rows = LOGITS.expand(n, -1).clone()
+    tokens = sample(rows, [params] * n, [gen] * n, constraints=dict.fromkeys(range(n), constraint))
+    expected = reference(LOGITS[allowed], temperature=0.7, top_k=top_k)  # over the allowed tokens alone
+    assert_frequencies_match(tokens, {allowed[j]: q for j, q in expected.items()})
+    if top_k:
+        assert constraint.masks == n  # every row
+    else:
+        assert 0.2 * n < constraint.masks < 0.8 * n  # the rejected draws only: both paths ran
 
 
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
