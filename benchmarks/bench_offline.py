@@ -14,8 +14,9 @@ little.
 Structured output, hybridkv alone (the same model with a tokenizer): a batch of 16 where one request is constrained
 by a JSON schema it cannot complete in 64 tokens (so it is constrained at every step), greedy or sampled, against 16
 free requests twice (the noise), all alternating in each repetition; printed: the other 15's tokens/s each way, the
-ratios per repetition against the free batch and whether they fall within the free/free noise, and whether the 15
-got the same tokens every way.
+ratios per repetition against the free batch and whether they fall within the free/free noise, whether the 15
+got the same tokens every way, and, in one more batch, how often and how long the constrained request asked its
+grammar (checks, masks, advances).
 
     python benchmarks/bench_offline.py [--threads 2] [--repeats 5] [--profile] [--vllm-venv /work/vllm-venv]
         [--vllm-bind nobind|auto|CPU-LIST]
@@ -265,6 +266,40 @@ def bench_structured(folder: Path, repeats: int) -> None:
         verdict = "within noise" if q1 <= ratio <= q3 else ("slower" if ratio < q1 else "faster") + " than noise"
         print(f"  16th {mode:<7}: rate ratio constrained/free, median {ratio:.3f}: {verdict}")
     print(f"  the 15's tokens identical in all five: {same}/{repeats}")
+    for mode in ("greedy", "sampled"):
+        calls, seconds = grammar_calls(lambda mode=mode: run(prompts(16, seed=6999), f"json {mode}"))
+        spent = sum(seconds.values()) / statistics.median(times[f"json {mode}"])
+        each = ", ".join(f"{n} x {k} {seconds[k] / max(n, 1) * 1e6:.0f} us" for k, n in calls.items())
+        print(f"  16th {mode:<7}: grammar calls in one batch: {each}; {spent:.1%} of a batch's median time")
+
+
+def grammar_calls(work: Callable[[], object]) -> tuple[dict[str, int], dict[str, float]]:
+    """How often `work` asked the grammar (a one-token check, a full mask, an advance) and the seconds it took."""
+    from hybridkv.structured.grammar import GrammarMatcher
+
+    calls = {"allows": 0, "mask": 0, "accept": 0}
+    seconds = dict.fromkeys(calls, 0.0)
+    originals = {name: getattr(GrammarMatcher, name) for name in calls}
+
+    def timed(name: str) -> Callable[..., object]:
+        def call(*args: object) -> object:
+            start = time.perf_counter()
+            try:
+                return originals[name](*args)
+            finally:
+                calls[name] += 1
+                seconds[name] += time.perf_counter() - start
+
+        return call
+
+    try:
+        for name in calls:
+            setattr(GrammarMatcher, name, timed(name))
+        work()
+    finally:
+        for name, original in originals.items():
+            setattr(GrammarMatcher, name, original)
+    return calls, seconds
 
 
 def repeated(tokens: list[int]) -> bool:
