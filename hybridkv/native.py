@@ -23,6 +23,7 @@ MODES = ("native", "torch")
 # torch's loader holds `<build>/lock` while it compiles (about a minute) and waits, with no end and no message,
 # while another process holds it; a lock this old was left by a build that was killed.
 STALE_LOCK_S = 600
+RETRY_S = 60  # a failed build is tried again after this long (a sibling's build may have raced it), not sooner
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,19 @@ def _headers_digest() -> str:
 
 def load_kernel(source: Path) -> object | None:
     """The compiled module of the C++ file `source` (named `hybridkv_<stem>`), or None: the kernels are off
-    (`HYBRIDKV_KERNELS=torch`) or the build failed (logged once)."""
-    return _build(source) if native_enabled() else None
+    (`HYBRIDKV_KERNELS=torch`) or the build failed (logged; tried again after RETRY_S, so one failure, such as a
+    race with another process building the same folder, does not cost the process its kernels for good)."""
+    if not native_enabled():
+        return None
+    module = _build(source)
+    if module is None and time.monotonic() - _failed.setdefault(source, time.monotonic()) > RETRY_S:
+        del _failed[source]
+        _build.cache_clear()
+        module = _build(source)
+    return module
+
+
+_failed: dict[Path, float] = {}  # source -> when its build first failed (monotonic seconds)
 
 
 @functools.cache
