@@ -1,34 +1,36 @@
-"""Row-invariant matmuls: a token's result must not depend on how many tokens share the call.
+"""Row-invariant operations: a token's result never depends on how many tokens share the call, on the thread
+count or on the CPU's BLAS. Models whose modes promise the same bits (float32: any batch, chunking, prefix hit,
+preemption, PD or offload gives the single run's logits) compute every projection and norm through here.
 
-CPU GEMM kernels pick another code path for a few rows (measured on torch 2.13 / this CPU: row results for
-M in {1, 2, 3, 5, 6, 7, 9, 10, 11} differ in the last bits from the same rows inside a bigger M; M = 4, 8 and
-every M >= 12 agree, for every weight shape of the hybrid models and 1 or 2 threads). Recurrent-hybrid models
-promise the same bits in every mode (a decode alone or beside others, a prompt whole or chunked), so their
-projections pad a call of fewer than `MIN_ROWS` rows up to the next multiple of 4: a lone decode runs 4 rows,
-not 16 (a 4-row GEMM costs about 3x a 1-row GEMV on this CPU, a 16-row one about 6x).
-
-Element-wise activations have the same trap: torch's CPU silu, sigmoid and softplus compute the elements left
-over after the vector loop with scalar code whose bits differ, so an element's result depends on the tensor's
-length (and the thread split). exp, log1p and division do not; the activations here are built from them.
+- `linear`: the sum over K is exact (`split_sum`), so no summation order of any BLAS can change it. (The old
+  rule "pad M below 12 to a multiple of 4" was a measurement of one CPU's MKL; on an Intel Xeon it failed.)
+- `rms_scale`: a row's mean square through the same exact sum.
+- Element-wise activations are built from exp, log1p, reciprocal and division: torch runs those through its
+  vectorised math map (aten/src/ATen/cpu/vml.h), which also computes the tail of a tensor with the vector
+  function on a partial load, so an element's bits come from one function of that element. torch's own silu,
+  sigmoid and softplus compute the tail with scalar code instead: an element's bits then depend on the tensor's
+  length and thread split.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-MIN_ROWS = 12  # from here on, and at multiples of 4 below, a row's bits do not depend on M
+from hybridkv.models.split_sum import row_sum, split_weight
+
+__all__ = ["chunk_bounds", "linear", "rms_scale", "row_sum", "sigmoid", "silu", "softplus"]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` over x [M, in] whose rows equal those of any bigger call: below MIN_ROWS, M is padded with
-    zero rows to the next multiple of 4 and the result cut again."""
-    m = x.shape[0]
-    if m >= MIN_ROWS or m % 4 == 0:
-        return F.linear(x, weight, bias)
-    padded = x.new_zeros(m + 4 - m % 4, x.shape[1])
-    padded[:m] = x
-    return F.linear(padded, weight, bias)[:m]
+    """`F.linear` whose row bits depend on that row and the weight alone (exact sums, rounded once)."""
+    y = split_weight(weight)(x)
+    return y if bias is None else y + bias
+
+
+def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(x^2, -1) + eps) in float32 [..., 1], the mean square summed exactly."""
+    xd = x.to(torch.float64)
+    return torch.rsqrt((row_sum(xd * xd) / x.shape[-1]).to(torch.float32) + eps)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:

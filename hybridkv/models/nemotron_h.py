@@ -78,7 +78,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         n = y.shape[0]
         g = (y.float() * exact.silu(z.float())).view(n, -1, self.group_size)  # [N, groups, group_size]
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        g = g * exact.rms_scale(g, self.eps)
         return self.weight * g.view(n, -1).to(dtype)
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.models import exact
 from hybridkv.models.fused import norm_kernel
 
 
@@ -52,6 +53,6 @@ class RMSNorm(nn.Module):
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = xf * exact.rms_scale(xf, self.eps)
         scale = self.weight.float() if self.offset == 0.0 else self.offset + self.weight.float()
         return (xf * scale).to(x.dtype)

@@ -41,7 +41,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = xf * exact.rms_scale(xf, self.eps)
         return (self.weight * xf.to(x.dtype) * exact.silu(z.float())).to(x.dtype)
 
 
