@@ -4,8 +4,9 @@ x + mixer(RMSNorm(x)), from `hybrid_override_pattern` (or `layers_block_type`).
 Bit-exact in every mode: the Mamba2 chunk scan (`hybridkv.models.mamba2`) cuts at absolute multiples of
 `chunk_size` and hands its state from chunk to chunk in order, projections are row-invariant
 (`hybridkv.models.exact.linear`), and each request of a batch runs its scan alone. Multi-token calls take the
-chunk scan, one-token calls the recurrence. As in transformers 5.24, dt is clamped to [time_step_min, inf) in the
-chunk scan only, not in the one-token step.
+chunk scan, one-token calls the recurrence. dt is clamped to `time_step_limit` (default (0, inf): no clamp) in
+both, as in mamba_ssm, vLLM and transformers >= 5.25. (transformers 5.24 clamped the chunk path alone at
+`time_step_min`, a value meant only for initialising dt_bias; 5.25 fixed it: see docs/architecture.md, "Oracles".)
 
 Module names mirror transformers' (`layers.3.mixer.in_proj`, `norm_f`, ...) so a checkpoint loads by dropping
 `backbone.` (or `model.`). Attention has no RoPE and no biases; the MLP is down(relu(up(x))^2).
@@ -32,6 +33,7 @@ ALIASES = {  # older config names -> transformers' current ones
     "mamba_n_groups": "n_groups",
     "mamba_d_conv": "conv_kernel",
     "mamba_dt_min": "time_step_min",
+    "mamba_dt_limit": "time_step_limit",
     "mamba_conv_bias": "use_conv_bias",
     "mamba_chunk_size": "chunk_size",
 }
@@ -43,6 +45,7 @@ DEFAULTS = dict(  # transformers' NemotronHConfig defaults for the fields we rea
     conv_kernel=4,
     chunk_size=128,
     time_step_min=0.001,
+    time_step_limit=(0.0, float("inf")),
     use_conv_bias=True,
     use_bias=False,
     layer_norm_epsilon=1e-5,
@@ -58,6 +61,16 @@ def model_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         **{k: v for k, v in cfg.items() if k not in ALIASES},
     }
     return DEFAULTS | {k: v for k, v in cfg.items() if v is not None}
+
+
+def _config_float(value: Any) -> float:
+    """A float of a config: a number, or transformers' JSON spelling of a non-finite one ({"__float__": "Infinity"})."""
+    if isinstance(value, Mapping) and "__float__" in value:
+        value = value["__float__"]
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"time_step_limit holds {value!r}: expected two numbers") from None
 
 
 def layer_types(cfg: Mapping[str, Any]) -> list[str]:
@@ -93,7 +106,8 @@ class Mamba2Mixer(nn.Module):
         self.inner = self.heads * self.head_dim  # I = H * P
         self.conv_dim = self.inner + 2 * self.groups * self.state_size  # channels x | B | C
         self.kernel, self.chunk = cfg["conv_kernel"], cfg["chunk_size"]
-        self.dt_min = cfg["time_step_min"]
+        low, high = (_config_float(v) for v in cfg["time_step_limit"])
+        self.dt_limit = (low, high)
         if cfg["mamba_hidden_act"] != "silu":
             raise ValueError(f"unsupported mamba_hidden_act {cfg['mamba_hidden_act']!r}; supported: silu")
         bias = cfg["use_bias"]
@@ -127,12 +141,11 @@ class Mamba2Mixer(nn.Module):
             xs, b, c = exact.silu(u).split([self.inner, gn, gn], dim=-1)
             xs = xs.reshape(n, h, p)
             b, c = b.reshape(n, self.groups, -1), c.reshape(n, self.groups, -1)
-            dt_r = exact.softplus(dt[t0:t1].float() + self.dt_bias.float())  # [n, H]
-            if n == 1:  # the recurrence (transformers' one-token path does not clamp dt)
+            dt_r = exact.softplus(dt[t0:t1].float() + self.dt_bias.float()).clamp(*self.dt_limit)  # [n, H]
+            if n == 1:  # the recurrence
                 y, new = ssd_step(xs[0], dt_r[0], a, b[0], c[0], self.D, ssm_state.float())
                 y = y[None]
-            else:  # the chunk scan, dt clamped below as in transformers' chunk path
-                dt_r = dt_r.clamp(min=self.dt_min)
+            else:  # the chunk scan
                 y, new = ssd_chunk_scan(xs, dt_r, a, b, c, self.D, ssm_state.float(), starts[r], self.chunk)
             ssm_state.copy_(new)
             ys.append(y.reshape(n, self.inner))

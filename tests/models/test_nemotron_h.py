@@ -2,8 +2,8 @@
 bitwise: a prompt whole or cut at multiples of the chunk size, and a request alone or batched with another.
 
 "Whole" is the engine's whole-prompt mode: [0, L - 1) in one call, then the last prompt token alone (the engine
-always runs it alone). A literal one-call [0, L) differs from it in more than rounding, as in transformers: its
-last token takes the chunk scan, which clamps dt to time_step_min, instead of the recurrence, which does not.
+always runs it alone); a literal one-call [0, L) equals it within float32 rounding (the chunk scan and the
+recurrence both clamp dt to time_step_limit, as transformers >= 5.25 does).
 """
 
 from itertools import pairwise

@@ -2,7 +2,7 @@
 
 Weights are redrawn so that logits spread out and the Mamba2 layers keep a memory of a few dozen tokens: the
 decay per token exp(dt * A) lies around 0.5-0.99, so state carried across a chunk boundary matters, and dt
-straddles `time_step_min`, so transformers' clamp of dt in its chunk path (and not its one-token path) binds.
+straddles `time_step_min`, so a clamp at it (transformers 5.24's bug, in its chunk path only) would show.
 """
 
 from __future__ import annotations
