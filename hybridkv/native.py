@@ -3,10 +3,11 @@ weights for oneDNN (`models/linear.py`) and use fused elementwise kernels (`mode
 its compiled attention kernels (`runner/kernels`); `HYBRIDKV_KERNELS=torch` runs plain torch everywhere (the
 reference the fast paths are tested against).
 
-`load_kernel` compiles a kernel on first use with torch's C++ extension loader (g++ and ninja). The build lands in
-`$HYBRIDKV_CACHE_DIR/kernels/<torch>-<cpu>-<checkout>` (default `~/.cache/hybridkv`), keyed by the torch version,
-this CPU's instruction-set flags (it is compiled with `-march=native`) and the checkout; a machine that cannot
-build one logs why, once, and its caller falls back to plain torch."""
+The kernels are compiled at install (`pip install -e .` runs `setup.py`, which puts them in `hybridkv/build`; see
+`native_build`). `load_kernel` uses that build when its stamp matches this machine and these sources; otherwise
+(no compiler at install, a checkout copied to another CPU, a kernel edited since) it compiles the kernel once into
+`$HYBRIDKV_CACHE_DIR/kernels/<torch>-<cpu>-<checkout>` (default `~/.cache/hybridkv`), saying so in the log with a
+progress line; a machine that cannot build one logs why and its caller falls back to plain torch."""
 
 from __future__ import annotations
 
@@ -15,15 +16,21 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from hybridkv import native_build
+from hybridkv.native_build import build_key, build_lock, compile_kernel, import_module, read_stamp, stale_reason
 
 KERNELS_ENV = "HYBRIDKV_KERNELS"
 MODES = ("native", "torch")
-# torch's loader holds `<build>/lock` while it compiles (about a minute) and waits, with no end and no message,
-# while another process holds it; a lock this old was left by a build that was killed.
-STALE_LOCK_S = 600
 RETRY_S = 60  # a failed build is tried again after this long (a sibling's build may have raced it), not sooner
+PROGRESS_S = 30.0  # a lazy compile says it is still going this often
+DEFAULT_ESTIMATE_S = 60  # a kernel's compile time where no earlier build of it recorded one (2-core machine: 40-130)
 
 log = logging.getLogger(__name__)
 
@@ -36,26 +43,13 @@ def native_enabled() -> bool:
 
 
 def _build_dir() -> Path:
+    """The lazy builds' folder: one per torch version, CPU and checkout (a home shared by machines, or by two
+    checkouts at different sources, keeps a build of each instead of replacing one with the other at every start)."""
     import torch
 
-    flags = ""
-    with contextlib.suppress(OSError, StopIteration):
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    cpu = hashlib.sha256(flags.encode()).hexdigest()[:12]
     root = Path(os.environ.get("HYBRIDKV_CACHE_DIR", Path.home() / ".cache" / "hybridkv"))
-    # One folder per checkout: torch rebuilds whenever a source's path changes, so two checkouts sharing a folder
-    # (a CI clone beside a working tree) would rebuild each other's kernels on every start.
     checkout = hashlib.sha256(str(Path(__file__).resolve().parent).encode()).hexdigest()[:8]
-    return root / "kernels" / f"torch{torch.__version__}-{cpu}-{checkout}"
-
-
-def _headers_digest() -> str:
-    """A digest of every kernel header (`hybridkv/*/kernels/*.h`): the loader rebuilds when a kernel's source or
-    flags change, and headers reach it here."""
-    digest = hashlib.sha256()
-    for header in sorted(Path(__file__).parent.glob("*/kernels/*.h")):
-        digest.update(header.read_bytes())
-    return digest.hexdigest()[:16]
+    return root / "kernels" / f"torch{torch.__version__}-{native_build.cpu_flags()}-{checkout}"
 
 
 def load_kernel(source: Path) -> object | None:
@@ -73,40 +67,89 @@ def load_kernel(source: Path) -> object | None:
 
 
 _failed: dict[Path, float] = {}  # source -> when its build first failed (monotonic seconds)
+_said: set[str] = set()  # process-wide warnings already logged
 
 
 @functools.cache
 def _build(source: Path) -> object | None:
-    from torch.utils.cpp_extension import load
-
-    build = _build_dir()
+    """The installed build of `source` if it is current, else the lazy one (compiled now if need be), else None."""
     try:
-        build.mkdir(parents=True, exist_ok=True)
-        clear_stale_lock(build)
-        log.info("loading native kernel %s (compiled once per machine into %s, about a minute)", source.stem, build)
-        return load(
-            f"hybridkv_{source.stem}",
-            [str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DHYBRIDKV_SOURCES={_headers_digest()}"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-        )
-    except Exception as e:  # no compiler, no ninja, a read-only home: the torch path still works
+        key = build_key(source)
+        installed = read_stamp(native_build.INSTALL_DIR, source)
+        why = stale_reason(installed, key)
+        if why is None and (module := _import(native_build.INSTALL_DIR, installed)) is not None:
+            return module
+        why = "not built at install" if installed is None else why or "the installed module does not load"
+        if (module := _import_current(build := _build_dir(), source, key)) is not None:
+            return module
+        if not _tools_present():
+            return None
+        with build_lock(build):
+            if (module := _import_current(build, source, key)) is not None:  # built while this process waited
+                return module
+            cached = read_stamp(build, source)
+            estimate = next((s["seconds"] for s in (installed, cached) if s and s.get("seconds")), DEFAULT_ESTIMATE_S)
+            log.warning("compiling native kernel %s (%s; once per machine, ~%.0f s)…", source.stem, why, estimate)
+            with _progress(source.stem):
+                seconds = compile_kernel(source, build)
+        log.warning("compiled native kernel %s in %.0f s into %s (`pip install -e .` compiles the kernels at install)",
+                    source.stem, seconds, build)  # fmt: skip
+        if (stamp := read_stamp(build, source)) is None:
+            raise RuntimeError(f"the build left no stamp in {build}")
+        return import_module(build, stamp)
+    except Exception as e:  # a compile error, a read-only home: the torch path still works
         why = str(e).splitlines()[0][:200] if str(e) else ""
         log.warning("native kernel %s unavailable, using the torch path (%s: %s); set %s=torch to skip the build",
                     source.stem, type(e).__name__, why, KERNELS_ENV)  # fmt: skip
         return None
 
 
-def clear_stale_lock(build: Path) -> bool:
-    """Remove the build lock of a killed build (older than STALE_LOCK_S); whether one was removed."""
-    lock = build / "lock"
+def _import_current(directory: Path, source: Path, key: dict[str, str]) -> object | None:
+    stamp = read_stamp(directory, source)
+    return _import(directory, stamp) if stale_reason(stamp, key) is None else None
+
+
+def _import(directory: Path, stamp: dict | None) -> object | None:
+    """The module `stamp` describes, or None (logged) where it does not load."""
+    if stamp is None:
+        return None
     try:
-        age = time.time() - lock.stat().st_mtime
-        if age <= STALE_LOCK_S:
-            return False
-        lock.unlink()
-    except FileNotFoundError:
-        return False
-    log.warning("removed %s, left %.0f s ago by a kernel build that did not finish", lock, age)
-    return True
+        return import_module(directory, stamp)
+    except (ImportError, OSError) as e:
+        log.warning("native kernel %s in %s does not load (%s); building it again", stamp["module"], directory,
+                    str(e)[:200])  # fmt: skip
+        return None
+
+
+def _tools_present() -> bool:
+    """Whether a lazy build can run: a C++ compiler and ninja. Where not, one warning for the whole process."""
+    bin_dir = str(Path(sys.executable).parent)  # the environment's ninja, when its bin folder is not on PATH
+    if shutil.which("ninja") is None and shutil.which("ninja", path=bin_dir):
+        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+    compiler = os.environ.get("CXX", "c++")
+    missing = [tool for tool in (compiler, "ninja") if shutil.which(tool) is None]
+    if missing and "tools" not in _said:
+        _said.add("tools")
+        log.warning("native kernels unavailable, using the torch path: %s not found and the kernels were not built "
+                    "at install (install g++ and run `pip install -e .` again, or set %s=torch to silence this)",
+                    " and ".join(repr(tool) for tool in missing), KERNELS_ENV)  # fmt: skip
+    return not missing
+
+
+@contextlib.contextmanager
+def _progress(name: str) -> Iterator[None]:
+    """Log every PROGRESS_S that the compile of kernel `name` is still going."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(PROGRESS_S):
+            log.warning("still compiling native kernel %s (%.0f s)…", name, time.monotonic() - start)
+
+    thread = threading.Thread(target=tick, name=f"compile-{name}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
