@@ -1,9 +1,31 @@
 """Tiny models run fastest on one thread: more threads only spin against each other on small CPU machines."""
 
+import os
+
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+def pytest_report_header(config) -> list[str]:
+    """The CPU the hardware-specific tests ran on: its flags and oneDNN's cap decide which kernel paths they check."""
+    from hybridkv.serve.startup import ONEDNN_ISA_ENV, cpu_line
+
+    isa = os.environ.get(ONEDNN_ISA_ENV, "unset")
+    return [
+        f"cpu: {cpu_line()}",
+        f"torch {torch.__version__}: cpu capability {torch.backends.cpu.get_cpu_capability()}, {ONEDNN_ISA_ENV}={isa}",
+    ]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session) -> None:
+    """Under -q (this project's addopts) pytest prints no header at all: print the lines above anyway."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not reporter.showheader:
+        for line in pytest_report_header(session.config):
+            reporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

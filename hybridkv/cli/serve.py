@@ -65,6 +65,7 @@ def serve(
         ),
     ] = "prompt_end",
 ) -> None:
+    import logging
     import sys
     from pathlib import Path
 
@@ -75,6 +76,7 @@ def serve(
     from hybridkv.engine.engine import LLMEngine
     from hybridkv.serve.api import build_app
     from hybridkv.serve.async_engine import AsyncEngine
+    from hybridkv.serve.startup import configure_logging, listening_line, startup_lines
 
     if threads:
         torch.set_num_threads(threads)
@@ -83,29 +85,36 @@ def serve(
     sys.setswitchinterval(0.0005)
     folder = model or str(DEFAULT_MODEL_DIR)
     try:
-        engine = LLMEngine(
-            EngineConfig(
-                model=folder,
-                dtype=dtype,
-                kv_layout=kv_layout,
-                kv_cache_memory=kv_cache_memory,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                kv_transfer_config=kv_transfer_config,
-                kv_offload_cpu=kv_offload_cpu,
-                kv_offload_disk=kv_offload_disk,
-                kv_events_config=kv_events_config,
-                state_checkpoints=state_checkpoints,
-                structured_outputs_config=structured_outputs_config,
-            )
+        config = EngineConfig(
+            model=folder,
+            dtype=dtype,
+            kv_layout=kv_layout,
+            kv_cache_memory=kv_cache_memory,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            kv_transfer_config=kv_transfer_config,
+            kv_offload_cpu=kv_offload_cpu,
+            kv_offload_disk=kv_offload_disk,
+            kv_events_config=kv_events_config,
+            state_checkpoints=state_checkpoints,
+            structured_outputs_config=structured_outputs_config,
         )
+        configure_logging()  # after the flags are checked: from here on the server says what it is doing
+        engine = LLMEngine(config)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     name = served_model_name or Path(folder).name
+    log = logging.getLogger("hybridkv.serve")
+    for line in startup_lines(engine, name):
+        log.info("%s", line)
     async_engine = AsyncEngine(engine, name)
     app = build_app(async_engine, name, api_key, enable_admin, host, max_request_bytes, api_key_metrics)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        sock = server.config.bind_socket()  # exits with uvicorn's error when the address is taken
+        sock.listen(2048)  # connections queue from here on, so the line below is true when it is printed
+        log.info("%s", listening_line(host, sock.getsockname()[1]))
+        server.run(sockets=[sock])
     finally:
         async_engine.stop()

@@ -1,26 +1,44 @@
 """The native prefill kernel (`runner/kernels/paged_prefill.cpp`, bfloat16, AVX512-BF16) against a dense float64
 reference, and the property the engine gains from it: a query's bits depend on its own query and visible keys
-only, not on how the prompt was chunked, what else shares the call, or the thread count."""
+only, not on how the prompt was chunked, what else shares the call, or the thread count.
+
+The kernel builds everywhere; it says itself whether this CPU runs it (`supported`, compiled for the build
+machine's instruction set), which is what `kernels.paged_prefill()` and so the engine go by. Where it does not,
+these tests skip and the engine's torch prefill path is checked by tests/engine/test_prefill_kernel.py."""
 
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
 
+from hybridkv.native import load_kernel
 from hybridkv.runner import kernels
+from hybridkv.serve.startup import cpu_info
 
-HAS_BF16_DOT = "avx512_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
 TOL = 0.02  # bfloat16 inputs and softmax weights: observed errors are under 0.008 on N(0, 1) values
 
 
 @pytest.fixture(scope="module")
-def prefill():
-    if not HAS_BF16_DOT:
-        pytest.skip("this CPU has no AVX512-BF16: the engine uses the torch prefill path")
+def module():
+    built = load_kernel(kernels.SOURCES / "paged_prefill.cpp")
+    assert built is not None, "the native prefill kernel did not build (see the log)"
+    return built
+
+
+@pytest.fixture(scope="module")
+def prefill(module):
     kernel = kernels.paged_prefill()
-    assert kernel is not None, "the native prefill kernel did not build (see the log)"
+    assert (kernel is not None) == module.supported
+    if kernel is None:
+        pytest.skip("paged_prefill is not supported on this CPU: the engine takes the torch prefill path")
     return kernel
+
+
+def test_supported_exactly_where_the_cpu_has_avx512_bf16(module):
+    """The kernel runs on every CPU with AVX512-BF16 (and no other): a build that lost it would skip the tests
+    below and leave the engine on the torch path unnoticed."""
+    assert module.supported == ("avx512_bf16" in cpu_info()[1])
+    assert (kernels.paged_prefill() is not None) == module.supported, "what the engine is offered"
 
 
 def reference(q, cache, table, base, start, window, scale, sinks=None):
