@@ -33,6 +33,10 @@ BUILDERS = {  # name -> config; keyword arguments override its fields (e.g. slid
     "llama": lambda **kw: dense_config("LlamaConfig", rope_theta=10000.0, **kw),
     "qwen3": lambda **kw: dense_config("Qwen3Config", **({"head_dim": 16} | kw)),
     "mistral_sliding": lambda **kw: dense_config("MistralConfig", **(dict(head_dim=16, sliding_window=16) | kw)),
+    "gemma3": lambda **kw: dense_config(
+        "Gemma3TextConfig",
+        **(dict(head_dim=16, sliding_window=16, layer_types=[S, F, S, F], query_pre_attn_scalar=16) | kw),
+    ),
 }
 
 

@@ -87,6 +87,9 @@ class KVConnector:
     """Runs on the engine thread. It may own I/O threads, but touches scheduler state only through return values."""
 
     load_failure_policy = "recompute"  # or "fail": what the scheduler does with a request whose load failed
+    # Loads that the request computes on from end at a multiple of this many blocks (an exact engine's split
+    # unit: its prefill tiles begin there); set by the engine before `register`.
+    resume_unit = 1
 
     def accept_transfer_params(self, raw: Any, num_prompts: int = 1) -> list[Any]:
         """Client-supplied kv_transfer_params (hostile) for a request of `num_prompts` prompts -> per prompt, the

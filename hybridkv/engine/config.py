@@ -30,6 +30,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True
+    # The same bits in every mode (batch, chunking, prefix hits, preemption, PD, offload): exact arithmetic and
+    # exact steps. None: on in float32 for the models that support it (`engine.engine.batch_invariance`).
+    batch_invariant: bool | None = None
     # Recurrent-state models: where prefill chunks end so the state there is cached (`engine.chunking`).
     state_checkpoints: str = "prompt_end"
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict, hash=False)

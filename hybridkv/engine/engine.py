@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -28,13 +29,16 @@ from hybridkv.kv.coordinator import KVCacheCoordinator
 from hybridkv.kv.events import MEDIUM_GPU, KVEventLog
 from hybridkv.kv.layout import cross_layers_enabled
 from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
+from hybridkv.kv.plan import KVPlan
 from hybridkv.kv.planner import CacheConfig, plan_kv_cache
-from hybridkv.models.registry import load_model
+from hybridkv.models.loader import resolve_dtype
+from hybridkv.models.registry import load_model, model_class
 from hybridkv.request.prompt import check_prompt
 from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.request.state import Request, RequestStatus
 from hybridkv.runner.model_runner import ModelRunner
 from hybridkv.runner.sampler import sample, token_logprobs
+from hybridkv.runner.step_index import EXACT_TILE
 from hybridkv.structured.constraints import Constraints
 from hybridkv.structured.spec import StructuredOutputs
 
@@ -65,28 +69,34 @@ class LLMEngine:
                 enable_cross_layers_blocks=cross_layers_enabled(config.extra_config),
             ),
         )
-        if self.plan.state is not None and config.max_num_batched_tokens < self.plan.state.align:
+        self.exact_unit = batch_invariance(config, hf, self.plan)  # None: free chunks, fast arithmetic
+        if self.exact_unit is not None and config.max_num_batched_tokens < self.exact_unit:
             raise ValueError(
-                f"max_num_batched_tokens={config.max_num_batched_tokens} is below {self.plan.state.align}, the unit "
+                f"max_num_batched_tokens={config.max_num_batched_tokens} is below {self.exact_unit}, the unit "
                 "a recurrent-state prefill is split in (block size and scan chunk): raise it to at least that"
             )
         events = config.kv_events_config
         self.kv_events: KVEventLog | None = KVEventLog() if events is not None and events.enabled else None
-        self.model = load_model(config.model, dtype=config.dtype, device=self.device)
+        exact_model = self.exact_unit is not None and self.plan.state is None
+        self.model = load_model(config.model, dtype=config.dtype, device=self.device, batch_invariant=exact_model)
+        # Exact attention models resume (prefix hits, offload loads) only where a prefill tile begins; recurrent
+        # hybrids only at a state checkpoint, which their state groups ensure.
+        unit = self.exact_unit // self.plan.block_size if self.exact_unit and self.plan.state is None else 1
         self.kv = KVCacheCoordinator(
-            self.plan, enable_prefix_caching=config.enable_prefix_caching, events=self.kv_events
+            self.plan, enable_prefix_caching=config.enable_prefix_caching, events=self.kv_events, resume_unit=unit
         )
-        self.runner = ModelRunner(self.model, self.plan, self.device)
+        self.runner = ModelRunner(self.model, self.plan, self.device, self.exact_unit)
         self.connector: KVConnector | None = None
         if config.kv_transfer_config is not None:
             identity = EngineIdentity(uuid.uuid4().hex, model_fingerprint(config.model), config.dtype)
             self.connector = CONNECTORS[config.kv_transfer_config.kv_connector](config.kv_transfer_config, identity)
+            self.connector.resume_unit = unit
             self.connector.register(self.plan, self.runner.memory)
             if self.kv_events is not None:
                 self.connector.set_kv_events(self.kv_events)
         chunking = FreeChunks()
-        if self.plan.state is not None:
-            chunking = ExactChunks(self.plan.state.align, config.state_checkpoints)
+        if self.exact_unit is not None:
+            chunking = ExactChunks(self.exact_unit, config.state_checkpoints)
         self.scheduler = Scheduler(
             self.kv,
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len),
@@ -329,3 +339,30 @@ class LLMEngine:
             if detok is not None:
                 req.final_text = detok.visible_text()
         return finished
+
+
+def batch_invariance(config: EngineConfig, hf: dict[str, Any], plan: KVPlan) -> int | None:
+    """The unit exact prefills are split in, or None when the engine runs free chunks and fast arithmetic.
+    Recurrent hybrids are always exact (their state's split unit). Attention models: `batch_invariant`, by
+    default on in float32 (the dtype users pick for reference answers; bfloat16 makes no bit-for-bit promise),
+    where the model class supports it; the unit is the exact tile rounded up to whole blocks, or the whole blocks
+    a smaller token budget holds (the unit is part of the configuration: engines compared bit for bit share it)."""
+    if plan.state is not None:
+        return plan.state.align
+    supported = model_class(hf).batch_invariant
+    wanted = config.batch_invariant
+    if wanted and not supported:
+        raise ValueError(f"model_type {hf.get('model_type')!r} has no batch-invariant mode: drop batch_invariant")
+    if wanted is None:
+        wanted = supported and resolve_dtype(config.dtype) == torch.float32
+    if not wanted:
+        return None
+    unit = math.lcm(plan.block_size, EXACT_TILE)
+    if config.max_num_batched_tokens < unit:
+        unit = config.max_num_batched_tokens // plan.block_size * plan.block_size
+    if unit == 0:
+        raise ValueError(
+            f"max_num_batched_tokens={config.max_num_batched_tokens} is below the block size {plan.block_size}: a "
+            "batch-invariant prefill runs whole blocks; raise it, or pass batch_invariant=False (--no-batch-invariant)"
+        )
+    return unit

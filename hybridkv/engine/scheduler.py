@@ -115,6 +115,14 @@ class Scheduler:
         )
 
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule(reserve=True)
+        if not out.chunks and not out.preempted and self.running:
+            # The budget was kept for a queue head that cannot be admitted (the running requests hold the blocks
+            # it needs): the running requests go on, or nothing ever frees them.
+            out = self._schedule(reserve=False)
+        return out
+
+    def _schedule(self, reserve: bool) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -122,16 +130,16 @@ class Scheduler:
         # the head of the queue, keeps that much of the budget from the requests before it: decodes ahead of it
         # cannot starve it (with exact chunking a prefill chunk is all or nothing). A prefill ends; decodes wait.
         first = next((r for r in self.running if self.chunking.min_chunk(r) > 1), None)
-        if first is None and self.waiting and self._num_admitted() < self.config.max_num_seqs:
+        if first is None and reserve and self.waiting and self._num_admitted() < self.config.max_num_seqs:
             first = self.waiting[0]
-        reserve = self.chunking.min_chunk(first) if first is not None else 0
-        reserve = reserve if reserve > 1 else 0  # one token always fits once the budget is positive
+        kept = self.chunking.min_chunk(first) if first is not None else 0
+        kept = kept if kept > 1 else 0  # one token always fits once the budget is positive
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req is first:
-                reserve = 0
-            n = self.chunking.chunk_len(req, req.num_computed_tokens, budget - reserve)
+                kept = 0
+            n = self.chunking.chunk_len(req, req.num_computed_tokens, budget - kept)
             if n == 0:  # no aligned chunk fits the rest of the budget: next step
                 i += 1
                 continue

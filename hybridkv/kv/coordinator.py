@@ -34,9 +34,17 @@ class PrefixHit:
 class KVCacheCoordinator:
     """Allocates block tables for requests across all KV cache groups of a plan."""
 
-    def __init__(self, plan: KVPlan, enable_prefix_caching: bool = True, events: KVEventLog | None = None) -> None:
-        """`events`: where the pool's cached-set changes are logged (KV events); None records nothing."""
+    def __init__(
+        self,
+        plan: KVPlan,
+        enable_prefix_caching: bool = True,
+        events: KVEventLog | None = None,
+        resume_unit: int = 1,
+    ) -> None:
+        """`events`: where the pool's cached-set changes are logged (KV events); None records nothing.
+        `resume_unit`: prefix hits end at a multiple of this many blocks (an exact engine's split unit)."""
         self.plan = plan
+        self.resume_unit = resume_unit
         self.block_size = plan.block_size
         self.pool = BlockPool(plan.num_blocks, enable_caching=enable_prefix_caching, events=events)
         self.managers: list[GroupManager] = [manager_for(g.spec)(g, self.pool) for g in plan.groups]
@@ -63,7 +71,7 @@ class KVCacheCoordinator:
             return found[g, i]
 
         specs = [m.spec for m in self.managers]
-        k = common_resume_block(specs, lambda g, i: lookup(g, i) is not None, 0, end)
+        k = common_resume_block(specs, lambda g, i: lookup(g, i) is not None, 0, end, self.resume_unit)
         blocks = tuple(tuple(m.hit_blocks(k, lambda i, g=g: lookup(g, i))) for g, m in enumerate(self.managers))
         branch = k
         stateless = [g for g, spec in enumerate(specs) if not spec.per_request_state]

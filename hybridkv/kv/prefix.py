@@ -14,9 +14,12 @@ def reusable_tokens(num_tokens: int) -> int:
     return max(0, num_tokens - 1)
 
 
-def common_resume_block(specs: Sequence[KVSpec], held: Callable[[int, int], bool], start: int, end: int) -> int:
+def common_resume_block(
+    specs: Sequence[KVSpec], held: Callable[[int, int], bool], start: int, end: int, unit: int = 1
+) -> int:
     """The largest k in [start, end] at which every group can resume: for each group g (spec `specs[g]`), k is
-    one of the blocks `specs[g].resume_block` accepts, where `held(g, i)` tells whether group g holds block i.
+    one of the blocks `specs[g].resume_block` accepts, where `held(g, i)` tells whether group g holds block i;
+    and k is `start` or a multiple of `unit` (an exact engine resumes only where its prefill tiles begin).
 
     Why a fixed point: a group's set of acceptable k is not closed downwards (a sliding window accepted at k may
     miss a block that k - 1 reads), so the minimum of the groups' own answers need not suit them all. Let K be
@@ -30,6 +33,7 @@ def common_resume_block(specs: Sequence[KVSpec], held: Callable[[int, int], bool
         candidate = k
         for g, spec in enumerate(specs):
             candidate = spec.resume_block(lambda i, g=g: held(g, i), start, candidate)
+        candidate = max(start, candidate - candidate % unit)  # the unit acts as one more group
         if candidate == k:
             return k
         k = candidate

@@ -66,6 +66,9 @@ class CausalLM(nn.Module):
     # Its `linear.Linear` and `FusedLinear` projections may run through packed oneDNN weights (`linear.py`):
     # models that promise row-count-independent bits (recurrent hybrids) leave this False.
     packable: ClassVar[bool] = False
+    # Its projections, norms and activations can switch to exact arithmetic (`batch_invariant.py`), so that with
+    # the runner's exact steps every mode gives a request's single-run bits. Recurrent hybrids are exact always.
+    batch_invariant: ClassVar[bool] = False
     # forward takes `outputs: OutputRows` and returns hidden states for those rows only ([M, hidden]).
     narrows_outputs: ClassVar[bool] = False
 

@@ -3,6 +3,8 @@ once into oneDNN's blocked layout, read by oneDNN or, for the few rows of a deco
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,9 +54,10 @@ class FusedLinear:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def pack(self) -> None:
-        """Run through oneDNN's blocked copy of the weight; the dense weight and its member views are released."""
-        self.packed = pack_weight(self.weight)
+    def pack(self, packer: Callable[[torch.Tensor], PackedWeight] = pack_weight) -> None:
+        """Run through a packed copy of the weight (oneDNN's blocked layout unless `packer` says otherwise); the
+        dense weight and its member views are released."""
+        self.packed = packer(self.weight)
         self.weight = torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta")
         for lin in self.linears:
             release(lin)

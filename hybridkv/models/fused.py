@@ -22,9 +22,10 @@ def fused_ops() -> object | None:
     return load_kernel(SOURCE)
 
 
-def use_fused_ops(model: nn.Module) -> int:
-    """Hand the kernel to every module of `model` that opts in; the number that did."""
-    ops = fused_ops()
+def use_fused_ops(model: nn.Module, ops: object | None = None) -> int:
+    """Hand the kernel (or `ops`, an object with its interface) to every module of `model` that opts in; the
+    number that did."""
+    ops = fused_ops() if ops is None else ops
     if ops is None:
         return 0
     hooks = [m.use_fused_ops for m in model.modules() if hasattr(m, "use_fused_ops")]
@@ -39,9 +40,10 @@ def norm_kernel(
     """x -> x / rms(x) * weight per row (float32 inside), for a norm whose full scale is `weight`; inputs the
     kernel does not take (not [n, d] / [n, h, d] with d contiguous, other dtypes) go to `fallback`."""
     scale = weight.detach().float().contiguous()
+    any_input = getattr(ops, "accepts_any", False)
 
     def norm(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() in (2, 3) and x.stride(-1) == 1 and x.dtype in (torch.float32, torch.bfloat16):
+        if any_input or (x.dim() in (2, 3) and x.stride(-1) == 1 and x.dtype in (torch.float32, torch.bfloat16)):
             return ops.rms_norm(x, scale, eps)
         return fallback(x)
 

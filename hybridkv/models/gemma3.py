@@ -90,6 +90,7 @@ class Gemma3ForCausalLM(CausalLM):
     `hybridkv.kv.model_kv` plans it; `kv_sharing` is empty."""
 
     packable = True
+    batch_invariant = True
 
     def __init__(self, cfg: Mapping[str, Any]) -> None:
         super().__init__()

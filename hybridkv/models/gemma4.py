@@ -19,6 +19,8 @@ from torch import nn
 
 from hybridkv.kv.model_kv import MODEL_READERS, LayerAttn
 from hybridkv.models.base import AttentionFn, CausalLM, OutputRows, RecurrentStates
+from hybridkv.models.batch_invariant import ACTIVATIONS as EXACT_ACTIVATIONS
+from hybridkv.models.batch_invariant import ExactOps
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.fused import norm_kernel
 from hybridkv.models.linear import Linear, output_logits
@@ -100,6 +102,10 @@ class Attention(nn.Module):
         self.head_scale: torch.Tensor | None = None  # set by `fuse`
         self.head_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # `scaled_rms_norm` constants (float32)
         self.num_heads = (heads, 0 if consumer else shape.num_kv_heads)  # (query heads, KV heads)
+        self.exact = False  # set by `use_exact`: the stacked heads' norm with exact sums
+
+    def use_exact(self) -> None:
+        self.exact = True
 
     def fuse(self) -> None:
         """One matmul for q/k/v, then one norm and one RoPE over the stacked heads [q | k | v]: per-head norm
@@ -120,7 +126,9 @@ class Attention(nn.Module):
         if self.k_eq_v:
             heads = torch.cat((heads, heads[:, hq:]), 1)  # values: the keys before k_norm and RoPE
         scale = self.head_scale if self.head_scale is not None else self._head_scale()
-        if self.head_norm is not None:
+        if self.exact:
+            normed = ExactOps.rms_norm(heads, scale, self.eps)
+        elif self.head_norm is not None:
             normed = scaled_rms_norm(heads, *self.head_norm)
         elif heads.dtype == torch.float32:
             normed = F.rms_norm(heads, (hd,), None, self.eps) * scale
@@ -162,10 +170,14 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
         self.unit_scalar = False  # set by `fuse` once the weights are loaded: skip multiplying by 1
-        self.act = ACTIVATIONS[cfg["hidden_activation"]]
+        self.act_name = cfg["hidden_activation"]
+        self.act = ACTIVATIONS[self.act_name]
         self.per_layer_input_gate = Linear(hidden, ple, bias=False) if ple else None
         self.per_layer_projection = Linear(ple, hidden, bias=False) if ple else None
         self.post_per_layer_input_norm = RMSNorm(hidden, eps) if ple else None
+
+    def use_exact(self) -> None:
+        self.act = EXACT_ACTIVATIONS[self.act_name]
 
     def forward(
         self,
@@ -191,6 +203,7 @@ class Gemma4ForCausalLM(CausalLM):
     `kv_sharing`: consumer layer -> the layer whose KV it reads."""
 
     packable = True
+    batch_invariant = True
     narrows_outputs = True
 
     def __init__(self, cfg: Mapping[str, Any]) -> None:

@@ -10,6 +10,8 @@ modes promise the same bits at any row count (recurrent hybrids, `exact.linear`)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,7 @@ from hybridkv.models.fuse import FusedLinear, pack_weight, packed_linear, releas
 from hybridkv.native import native_enabled
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
+Packer = Callable[[torch.Tensor], Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]]
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -35,8 +38,8 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
 
-    def pack(self) -> None:
-        self.packed = pack_weight(self.weight)
+    def pack(self, packer: Packer = pack_weight) -> None:
+        self.packed = packer(self.weight)
         release(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,32 +52,33 @@ class TiedLogits(nn.Module):
     """The logits matmul of a model whose lm_head is its input embedding: through a packed copy of the table (the
     table itself stays, for lookups), which costs vocab x hidden more bytes and saves ~2/3 of the logits time."""
 
-    def __init__(self, embedding: nn.Embedding) -> None:
+    def __init__(self, embedding: nn.Embedding, packer: Packer = pack_weight) -> None:
         super().__init__()
-        self.packed = pack_weight(embedding.weight)
+        self.packed = packer(embedding.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return packed_linear(hidden, self.packed, None)
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, packer: Packer = pack_weight) -> int:
     """Pack every FusedLinear (held as a plain attribute of a module) and every other `Linear`; the number packed.
     A fused projection's members are views of its weight, so they are released, not packed again. A tied
-    lm_head (`lm_head` None beside an `embed_tokens`) becomes a `TiedLogits`."""
+    lm_head (`lm_head` None beside an `embed_tokens`) becomes a `TiedLogits`. `packer`: weight -> a callable
+    `(x, bias) -> x @ W^T + bias` (oneDNN's layout by default; `batch_invariant.ExactWeight` for exact sums)."""
     members: set[int] = set()
     count = 0
     for module in model.modules():
         for value in list(vars(module).values()):
             if isinstance(value, FusedLinear) and value.packed is None:
                 members.update(id(lin) for lin in value.linears)
-                value.pack()
+                value.pack(packer)
                 count += 1
     for module in model.modules():
         if isinstance(module, Linear) and id(module) not in members and module.packed is None:
-            module.pack()
+            module.pack(packer)
             count += 1
     if getattr(model, "lm_head", False) is None and isinstance(getattr(model, "embed_tokens", None), nn.Embedding):
-        model.lm_head = TiedLogits(model.embed_tokens)
+        model.lm_head = TiedLogits(model.embed_tokens, packer)
         count += 1
     return count
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from hybridkv.kv.model_kv import MODEL_READERS
 from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
+from hybridkv.models.batch_invariant import ACTIVATIONS as EXACT_ACTIVATIONS
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.fused import ACT_CODES, norm_kernel
 from hybridkv.models.linear import Linear, output_logits
@@ -92,6 +93,10 @@ class MLP(nn.Module):
             code = ACT_CODES[self.act_name]
             self.act_and_mul = lambda gate_up: ops.act_and_mul(gate_up, code)
 
+    def use_exact(self) -> None:
+        """Exact arithmetic (`batch_invariant`): the activation too where act * up is not fused."""
+        self.act = EXACT_ACTIVATIONS[self.act_name]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_and_mul is not None:
             return self.down_proj(self.act_and_mul(self.gate_up.fused(x)))
@@ -120,6 +125,7 @@ class LlamaForCausalLM(CausalLM):
     as `hybridkv.kv.model_kv` plans it; dense models share no KV."""
 
     packable = True
+    batch_invariant = True
 
     def __init__(self, cfg: Mapping[str, Any]) -> None:
         super().__init__()

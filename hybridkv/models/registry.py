@@ -11,6 +11,7 @@ import torch
 
 from hybridkv.kv.model_kv import load_hf_config
 from hybridkv.models.base import CausalLM, bind_attributes
+from hybridkv.models.batch_invariant import make_batch_invariant
 from hybridkv.models.fused import use_fused_ops
 from hybridkv.models.linear import pack_linears, packing_available
 from hybridkv.models.loader import load_weights, resolve_dtype
@@ -51,14 +52,23 @@ def build_model(
     return model.to(resolve_dtype(dtype)).to_empty(device=device)
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu") -> CausalLM:
-    """Build the model of a Hugging Face folder (config.json + safetensors) and load its weights."""
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device = "cpu",
+    batch_invariant: bool = False,
+) -> CausalLM:
+    """Build the model of a Hugging Face folder (config.json + safetensors) and load its weights. With
+    `batch_invariant`, a model class that supports it computes in exact arithmetic (`batch_invariant.py`)
+    instead of through the packed and fused fast paths."""
     folder = Path(path).parent if Path(path).is_file() else Path(path)
     model = build_model(load_hf_config(folder), dtype, device)
     load_weights(model, folder)
     model = model.eval().requires_grad_(False)
     model.fuse_projections()
-    if model.packable and packing_available(torch.device(device), resolve_dtype(dtype)):
+    if batch_invariant and model.batch_invariant:
+        make_batch_invariant(model)
+    elif model.packable and packing_available(torch.device(device), resolve_dtype(dtype)):
         pack_linears(model)
         use_fused_ops(model)
     bind_attributes(model)

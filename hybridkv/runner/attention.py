@@ -298,11 +298,23 @@ class PagedAttention:
         qt = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if r.causal_split:
             return prefix_and_causal(qt, keys, values, self.step.starts[run.r0], scale, sinks)[0].transpose(0, 1)
+        # Exact steps attend fresh copies: a tile's call then gets the same inputs in every mode, down to strides
+        # and alignment (its keys are a slice of a gather as long as the chunk's context, which varies).
+        take = _fresh if self.step.exact else _view
         outs = [
-            attend(qt[:, :, t.q0 : t.q1], keys[:, :, t.k0 : t.k1], values[:, :, t.k0 : t.k1], t.mask, scale, sinks)
+            attend(take(qt, t.q0, t.q1), take(keys, t.k0, t.k1), take(values, t.k0, t.k1), t.mask, scale, sinks)
             for t in r.tiles
         ]
         return torch.cat(outs, 2)[0].transpose(0, 1)  # [n, Hq, D]
+
+
+def _view(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    return x[:, :, a:b]
+
+
+def _fresh(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    part = x[:, :, a:b]
+    return torch.empty(part.shape, dtype=part.dtype, device=part.device).copy_(part)
 
 
 ATTEND = {DECODE: PagedAttention._decode, PADDED: PagedAttention._padded, TILED: PagedAttention._tiled}

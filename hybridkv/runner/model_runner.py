@@ -17,16 +17,21 @@ from hybridkv.runner.step_index import QUERY_TILE, IndexPack, StepIndex, run_kin
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, plan: KVPlan, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, plan: KVPlan, device: torch.device, exact_tile: int | None = None) -> None:
+        """`exact_tile`: run exact steps (the same bits in every mode) with query tiles of this size, a multiple
+        of the block size at which the scheduler splits prompts; plans with recurrent state always do, with
+        their state's split unit."""
         self.model = model
         self.plan = plan
         self.device = device
         self.memory = KVCacheMemory(plan, device)
         self.workspace = Workspace()
         self.out_workspace = Workspace()  # the output rows' attention (`OutputRows`) gathers into its own buffers
-        # Plans with recurrent state are exact: per-request tiles of the state's split unit (`step_index`).
-        self.exact = plan.state is not None
-        self.query_tile = plan.state.align if plan.state is not None else QUERY_TILE
+        # Exact steps: per-request tiles of the split unit (`step_index`).
+        if plan.state is not None:
+            exact_tile = plan.state.align
+        self.exact = exact_tile is not None
+        self.query_tile = exact_tile or QUERY_TILE
         self.layer_group = {layer: plan.group_of(layer).group_id for layer in plan.attention_layers}
         if plan.state is not None:
             check_state_shapes(model.state_shapes(), plan.state)
@@ -77,7 +82,8 @@ class ModelRunner:
         pack = IndexPack()
         lengths = [len(c.token_ids) for c in chunks]
         decodes = [decode(c) for c in chunks]
-        step = StepIndex([c.start for c in chunks], lengths, pack, self.query_tile, self.exact, decodes)
+        solo = self.exact and self.decode_kernel is None
+        step = StepIndex([c.start for c in chunks], lengths, pack, self.query_tile, self.exact, decodes, solo)
         ids_slot, positions_slot = pack.add([t for c in chunks for t in c.token_ids]), pack.add(step.positions)
         ends = list(itertools.accumulate(step.lengths))
         sampled = [i for i, c in enumerate(chunks) if c.sample]
@@ -88,7 +94,8 @@ class ModelRunner:
         # at its position (`OutputRows`).
         same = len(sampled) == len(chunks) and all(n == 1 for n in lengths)
         if narrow and not same:
-            out_step = StepIndex([step.positions[ends[i] - 1] for i in sampled], [1] * len(sampled), pack)
+            out_positions = [step.positions[ends[i] - 1] for i in sampled]
+            out_step = StepIndex(out_positions, [1] * len(sampled), pack, self.query_tile, self.exact, solo=solo)
             out_metadata = self._metadata(out_step, [chunks[i].block_tables for i in sampled])
         pack.upload(self.device)
         kernels_ = {"decode_kernel": self.decode_kernel, "prefill_kernel": self.prefill_kernel}

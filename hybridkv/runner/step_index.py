@@ -9,10 +9,12 @@ decode gather 2048 keys:
   tiled   one request with more than `tile` queries: one call per tile of queries, each over only the keys
           that tile can see (its window for sliding layers, its causal prefix for full attention).
 
-`exact` steps (plans with recurrent state, which promise the same bits in every mode) give every request with
-several queries a tiled run of its own, its tiles anchored at the chunk's start (a multiple of the tile, by the
-scheduler's aligned chunking): a query's kernel call then holds the same queries and keys whether the prompt
-ran whole or chunked, and whatever else shares the step.
+`exact` steps (recurrent hybrids, and attention models in batch-invariant mode: the same bits in every mode)
+give every request with several queries a tiled run of its own, its tiles anchored at the chunk's start (a
+multiple of the tile, by the scheduler's aligned chunking): a query's kernel call then holds the same queries
+and keys whether the prompt ran whole or chunked, and whatever else shares the step. With `solo`, one-query
+requests get a run each too (no in-place decode kernel, whose bits are per request by construction, is there to
+read them): a decode's call then has the shapes of its own context, whatever shares the step.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 QUERY_TILE = 256  # queries per kernel call of a tiled run; requests with at most this many form padded runs
+EXACT_TILE = 64  # the tile (and chunk unit, with the block size) of attention models' exact steps
 DECODE, PADDED, TILED = 0, 1, 2
 
 
@@ -82,6 +85,7 @@ class StepIndex:
     tile: int = QUERY_TILE
     exact: bool = False
     decodes: list[bool] | None = None  # per request, whether a one-query chunk is a decode (None: all are)
+    solo: bool = False  # every request its own run (exact steps without the in-place decode kernel)
     rows: list[int] = field(init=False)
     positions: list[int] = field(init=False)
     runs: list[Run] = field(init=False)
@@ -94,7 +98,7 @@ class StepIndex:
         for r, n in enumerate(self.lengths):
             kind = run_kind(n, self.tile, self.exact, self.decodes is None or self.decodes[r])
             last = self.runs[-1] if self.runs else None
-            if last is not None and kind != TILED and last.kind == kind:
+            if last is not None and kind != TILED and last.kind == kind and not self.solo:
                 last.r1, last.t1, last.max_q = r + 1, t + n, max(last.max_q, n)
             else:
                 self.runs.append(Run(kind, r, r + 1, t, t + n, n))

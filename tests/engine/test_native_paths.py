@@ -1,6 +1,7 @@
 """The fast paths against plain torch, through the engine: packed oneDNN linears, the native in-place decode
-kernel, and KV-sharing layers run for the output rows alone. Greedy tokens in float32 must equal the plain-torch
-engine's (HYBRIDKV_KERNELS=torch, every consumer row computed), and each fast path must have run."""
+kernel, and KV-sharing layers run for the output rows alone. Greedy tokens in float32 (batch-invariant mode off:
+it replaces the packed and fused paths) must equal the plain-torch engine's (HYBRIDKV_KERNELS=torch, every
+consumer row computed), and each fast path must have run."""
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ def checkpoint(request, tmp_path_factory):
 
 def engine(folder, monkeypatch, mode):
     monkeypatch.setenv("HYBRIDKV_KERNELS", mode)
-    return LLM(str(folder), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=64)
+    return LLM(str(folder), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=64, batch_invariant=False)
 
 
 def run(llm):
@@ -56,7 +57,13 @@ def test_fast_paths_give_the_torch_tokens(checkpoint, monkeypatch):
 def test_consumers_run_for_output_rows_only(tmp_path, monkeypatch):
     """A 90-token prompt in chunks of 32: the KV-sharing layers see one row for the chunk that samples and none
     for the others; an owner layer sees every token."""
-    llm = LLM(str(build("gemma4", tmp_path)), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=32)
+    llm = LLM(
+        str(build("gemma4", tmp_path)),
+        dtype="float32",
+        kv_cache_memory="64MiB",
+        max_num_batched_tokens=32,
+        batch_invariant=False,
+    )
     model = llm.engine.model
     first, owner = model.consumers_from, model.consumers_from - 1
     assert first < len(model.layers) and all(i in model.kv_sharing for i in range(first, len(model.layers)))

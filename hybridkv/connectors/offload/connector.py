@@ -112,7 +112,7 @@ class OffloadingConnector(KVConnector):
         if end <= start:
             return 0
         self.looked_up.setdefault(req.request_id, False)
-        k = self.store.lookup(req.block_hashes, start, end)
+        k = self.store.lookup(req.block_hashes, start, end, self.resume_unit)
         if k == start:
             return 0
         self.store.touch(req.block_hashes, start, k)  # recency: what the request is about to load stays

@@ -69,10 +69,11 @@ class TieredStore:
         return self.cpu.contains(key) or (self.disk is not None and self.disk.contains(key))
 
     # ---- lookups -------------------------------------------------------------------------------------------
-    def lookup(self, hashes: Sequence[BlockHash], start: int, end: int) -> int:
+    def lookup(self, hashes: Sequence[BlockHash], start: int, end: int, unit: int = 1) -> int:
         """The largest block k in [start, end] every group can resume at: the tiers hold each entry in [start, k)
-        that a token after block k reads (all of them for full attention, the window for sliding groups)."""
-        return common_resume_block(self.specs, lambda g, i: self.held((hashes[i], g)), start, end)
+        that a token after block k reads (all of them for full attention, the window for sliding groups); k is
+        `start` or a multiple of `unit`."""
+        return common_resume_block(self.specs, lambda g, i: self.held((hashes[i], g)), start, end, unit)
 
     def touch(self, hashes: Sequence[BlockHash], start: int, end: int) -> None:
         """Entries [start, end) that a resume at block `end` reads, per group, become the most recent."""
