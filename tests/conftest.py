@@ -12,11 +12,15 @@ def pytest_report_header(config) -> list[str]:
     """The CPU the hardware-specific tests ran on: its flags and oneDNN's cap decide which kernel paths they check."""
     from hybridkv.serve.startup import ONEDNN_ISA_ENV, cpu_line
 
-    isa = os.environ.get(ONEDNN_ISA_ENV, "unset")
+    caps = {name: os.environ.get(name, "unset") for name in (ONEDNN_ISA_ENV, *MATRIX_ENV)}
     return [
         f"cpu: {cpu_line()}",
-        f"torch {torch.__version__}: cpu capability {torch.backends.cpu.get_cpu_capability()}, {ONEDNN_ISA_ENV}={isa}",
+        f"torch {torch.__version__}: cpu capability {torch.backends.cpu.get_cpu_capability()}, "
+        + ", ".join(f"{k}={v}" for k, v in caps.items()),
     ]
+
+
+MATRIX_ENV = ("MKL_ENABLE_INSTRUCTIONS", "HYBRIDKV_KERNELS")  # also shown: what tests/test_exactness_matrix.py sets
 
 
 @pytest.hookimpl(trylast=True)

@@ -57,6 +57,14 @@ def serve(
         str | None,
         typer.Option(help="structured-output defaults (vLLM's keys), e.g. '{\"disable_any_whitespace\": true}'"),
     ] = None,
+    batch_invariant: Annotated[
+        bool | None,
+        typer.Option(
+            "--batch-invariant/--no-batch-invariant",
+            help="the same bits in every mode (batch, chunking, prefix hits, preemption, PD, offload): exact sums "
+            "and exact steps, 1.2-6x slower per projection; default: on in float32 where the model supports it",
+        ),
+    ] = None,
     state_checkpoints: Annotated[
         str,
         typer.Option(
@@ -97,6 +105,7 @@ def serve(
             kv_offload_disk=kv_offload_disk,
             kv_events_config=kv_events_config,
             state_checkpoints=state_checkpoints,
+            batch_invariant=batch_invariant,
             structured_outputs_config=structured_outputs_config,
         )
         configure_logging()  # after the flags are checked: from here on the server says what it is doing

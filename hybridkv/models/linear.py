@@ -30,6 +30,9 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
         and dtype in PACKED_DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        # oneDNN packs bfloat16 only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; an AVX2 CPU (or a cap at it) keeps
+        # plain torch for bfloat16 instead of failing at load
+        and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 

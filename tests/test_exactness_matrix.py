@@ -1,0 +1,39 @@
+"""The exactness tests again, in fresh processes, on the other instruction-set paths this CPU can be forced onto
+and with the native kernels off: every mode must still give the single run's bits there. The default run of the
+suite covers this CPU's own paths (AVX-512 where it has it).
+
+    avx2   torch's own kernels (ATEN_CPU_CAPABILITY), MKL (MKL_ENABLE_INSTRUCTIONS) and oneDNN
+           (ONEDNN_MAX_CPU_ISA) capped at AVX2: the vector widths and BLAS kernels of a CPU without AVX-512;
+    torch  HYBRIDKV_KERNELS=torch: no native kernel (decodes attend in torch, one request per call).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+SUITES = ["tests/models/test_split_sum.py", "tests/engine/test_exact_hybrid.py", "tests/engine/test_exact_attention.py"]
+MATRIX = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "torch": {"HYBRIDKV_KERNELS": "torch"},
+}
+SHOWN = {  # the line of the run's header that proves the setting took effect
+    "avx2": "cpu capability AVX2, ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2",
+    "torch": "HYBRIDKV_KERNELS=torch",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_every_mode_gives_the_single_runs_bits_on_this_path(name):
+    env = {**os.environ, **MATRIX[name]}
+    cmd = [sys.executable, "-m", "pytest", *SUITES, "-x", "-p", "no:cacheprovider"]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    out = run.stdout + run.stderr
+    assert SHOWN[name] in out, out[:2000]
+    assert run.returncode == 0, out[-4000:]
+    assert " passed" in out and "failed" not in out, out[-2000:]
