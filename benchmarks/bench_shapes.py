@@ -12,6 +12,11 @@ float32 whether greedy tokens agree.
 
     python benchmarks/bench_shapes.py [--shapes qwen3-0.6b,gemma3-270m,gemma4-e2b,qwen3.5-0.8b]
         [--dtypes bfloat16,float32] [--contexts 1024,4096,8192] [--repeats 2] [--threads 1] [--profile]
+        [--engines hybridkv,transformers,vllm]
+
+The cost of batch-invariant mode (float32's default), per shape: `--dtypes float32 --engines
+hybridkv,hybridkv-fast` (hybridkv-fast: batch_invariant=False, the packed oneDNN and fused paths); the hkv/fast
+column is the exact path's speed relative to the fast one (< 1: slower).
 """
 
 from __future__ import annotations
@@ -146,7 +151,7 @@ def report(shape: str, dtype: str, res: dict, contexts: list[int]) -> None:
     for c in contexts:
         rows.append((f"TTFT {c} (s)", lambda b, c=c: b[f"ttft {c}"], False))
         rows.append((f"ITL {c} (ms)", lambda b, c=c: 1e3 * b[f"itl {c}"], False))
-    short = {"hybridkv-plain": "plain", "transformers": "transf"}  # headers fit the 14-wide columns
+    short = {"hybridkv-plain": "plain", "hybridkv-fast": "fast", "transformers": "transf"}  # 14-wide columns
     head = f"{'':<16}" + "".join(f"{short.get(e, e):>14}" for e in engines)
     head += "".join(f"{'hkv/' + short.get(e, e):>14}" for e in engines[1:])
     print(f"\n## {shape} {dtype}\n{head}")

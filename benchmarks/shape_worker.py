@@ -51,14 +51,24 @@ def tree_peak_rss_mib() -> float:
     return total / 1024
 
 
-def hybridkv_engine(folder: str, dtype: str, max_len: int, plain: bool = False) -> Generate:
-    """`plain`: without this issue's levers (plain torch linears and attention, KV-sharing layers on every row)."""
+def hybridkv_engine(
+    folder: str, dtype: str, max_len: int, plain: bool = False, batch_invariant: bool | None = None
+) -> Generate:
+    """`plain`: without this issue's levers (plain torch linears and attention, KV-sharing layers on every row).
+    `batch_invariant`: the engine's switch (None: its default, on in float32)."""
     if plain:
         os.environ["HYBRIDKV_KERNELS"] = "torch"
     from hybridkv.engine.llm import LLM
     from hybridkv.request.sampling_params import SamplingParams
 
-    llm = LLM(folder, dtype=dtype, kv_cache_memory=f"{KV_GIB}GiB", max_model_len=max_len, enable_prefix_caching=False)
+    llm = LLM(
+        folder,
+        dtype=dtype,
+        kv_cache_memory=f"{KV_GIB}GiB",
+        max_model_len=max_len,
+        enable_prefix_caching=False,
+        batch_invariant=batch_invariant,
+    )
     if plain:
         llm.engine.model.narrows_outputs = False
 
@@ -145,6 +155,7 @@ def vllm_engine(folder: str, dtype: str, max_len: int) -> Generate:
 ENGINES: dict[str, Callable[[str, str, int], tuple[Generate, Stream]]] = {
     "hybridkv": hybridkv_engine,
     "hybridkv-plain": lambda *a: hybridkv_engine(*a, plain=True),
+    "hybridkv-fast": lambda *a: hybridkv_engine(*a, batch_invariant=False),  # float32 without exact sums and steps
     "transformers": transformers_engine,
     "vllm": vllm_engine,
 }
