@@ -15,6 +15,7 @@ preemption, PD or offload gives the single run's logits) compute every projectio
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hybridkv.models.split_sum import row_sum, split_weight
 
@@ -22,7 +23,10 @@ __all__ = ["chunk_bounds", "linear", "rms_scale", "row_sum", "sigmoid", "silu", 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` whose row bits depend on that row and the weight alone (exact sums, rounded once)."""
+    """`F.linear` whose row bits depend on that row and the weight alone (exact sums, rounded once), in float32,
+    the dtype whose modes promise the same bits; other dtypes take the plain matmul (5-10x faster: bench_shapes)."""
+    if x.dtype != torch.float32:
+        return F.linear(x, weight, bias)
     y = split_weight(weight)(x)
     return y if bias is None else y + bias
 

@@ -20,7 +20,9 @@ PROMPT = list(range(4, 104))  # 100 tokens: 6 full blocks
 def llm(tmp_path):
     endpoint = f"ipc://{tmp_path}/kv"
     config = {"enable_kv_cache_events": True, "endpoint": endpoint, "topic": "t"}
-    engine = LLM(kv_cache_memory="4MiB", max_model_len=512, kv_events_config=config)
+    # Free chunks (not float32's batch-invariant default): every full block is published, decode blocks too, so
+    # the steps below each change the cache.
+    engine = LLM(kv_cache_memory="4MiB", max_model_len=512, kv_events_config=config, batch_invariant=False)
     engine.endpoint = endpoint
     yield engine
     engine.engine.shutdown()

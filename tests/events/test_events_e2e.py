@@ -18,7 +18,10 @@ import zmq
 from hybridkv.kv.hashing import hash_block
 from tests.procs import Process, free_port
 
-ENGINE = ["--threads", "1", "--kv-cache-memory", "4MiB", "--max-model-len", "512", "--enable-admin"]
+# Free chunks (not float32's batch-invariant default): every full block is published, decode blocks too, so the
+# batch counts below hold; batch-invariant mode publishes only whole split units of prompts.
+ENGINE = ["--threads", "1", "--kv-cache-memory", "4MiB", "--max-model-len", "512", "--enable-admin",
+          "--no-batch-invariant"]  # fmt: skip
 TOPIC = b"kv-events"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 

@@ -87,12 +87,14 @@ def check_idle(llm: LLM) -> None:
 
 def loaded_blocks(llm: LLM, prompts) -> list[int]:
     """Per group, the blocks loading every prompt moves: all of them for full attention, the window for sliding
-    groups (a token at the resume point reads cdiv(W - 1, block_size) blocks before it)."""
+    groups (a token at the resume point reads cdiv(W - 1, block_size) blocks before it). A batch-invariant engine
+    (float32's default) resumes only at a multiple of its split unit."""
     plan = llm.engine.plan
     bs = plan.block_size
+    step = llm.engine.exact_unit or bs
     per_group = [0] * len(plan.groups)
     for p in prompts:
-        n = (len(llm.engine.tokenize(p)) - 1) // bs
+        n = (len(llm.engine.tokenize(p)) - 1) // step * step // bs
         for g in plan.groups:
             w = g.sliding_window
             per_group[g.group_id] += n if w is None else min(n, cdiv(w - 1, bs))
@@ -270,7 +272,7 @@ def test_a_busy_batch_under_pressure_matches_scratch(tmp_path):
     prompts += prompts[:2]  # the same prompt twice in one batch
     expected = outputs(LLM(kv_cache_memory="4MiB", max_model_len=512, enable_prefix_caching=False), prompts)
     slot = 32 << 10  # one block of the embedded model
-    kw = dict(kv_offload_cpu=24 * slot, kv_offload_disk=f"{tmp_path}:64MiB", kv_cache_memory=40 * slot)
+    kw = dict(kv_offload_cpu=12 * slot, kv_offload_disk=f"{tmp_path}:64MiB", kv_cache_memory=40 * slot)
     llm = offload_llm(str(DEFAULT_MODEL_DIR), "packed", max_model_len=256, **kw)
     for _ in range(2):
         assert outputs(llm, prompts) == expected

@@ -64,11 +64,13 @@ def test_embedded_model_through_the_proxy_equals_one_instance(embedded):
     with transfers(d, at_least=6) as first:  # the long prompts were read, not recomputed
         through_proxy_equals_single_instance(str(DEFAULT_MODEL_DIR), x, prompts)
     assert_clean(p, d)
-    # Again: the decoder's own prefix cache now holds these prompts' whole blocks; it pulls only the partial
-    # last block of each (at most one block per group), not the prompt.
-    with transfers(d) as again:
+    # Again. In batch-invariant mode (float32's default) the decoder resumes from its own prefix cache only at a
+    # 64-token tile start whose sliding window (16 tokens) it holds; a PD load gave it the window at the prompt's
+    # end only, so it pulls each prompt again (with --no-batch-invariant it pulls only the partial last block).
+    # The answers stay the single instance's.
+    with transfers(d, at_least=3) as again:
         through_proxy_equals_single_instance(str(DEFAULT_MODEL_DIR), x, prompts[:3])
-    assert again["bytes"] < 0.1 * first["bytes"]
+    assert again["bytes"] <= first["bytes"]
     assert_clean(p, d, timeout=2)
 
 
