@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.models import exact
-from hybridkv.models.split_sum import SplitWeight, row_sum, slice_bits, split, split_weight
+from hybridkv.models.split_sum import SplitWeight, row_sum, rows_kernel, slice_bits, split, split_weight
 
 SHAPES = [(64, 48), (96, 512), (1024, 384), (3000, 70)]  # (K, N): K not a power of two or a vector width too
 
@@ -80,7 +80,7 @@ def test_the_blas_sums_are_the_exact_integers_even_in_the_worst_case(k):
     sw = SplitWeight(w)
     sums, _ = sw.integer_sums(x)
     parts, _ = split(x, sw.bits, sw.slices)
-    exact_sums = torch.stack([p.long() @ sw.slice_t.long() for p in parts])
+    exact_sums = torch.stack([p.long() @ sw.dense_t().long() for p in parts])
     assert sums.abs().max() > 2.0**51  # near the bound: one bit more per slice would round
     assert torch.equal(sums.long(), exact_sums)
 
@@ -123,3 +123,21 @@ def test_row_sum_and_rms_scale_ignore_order():
     torch.testing.assert_close(
         row_sum(x), x.double().sum(-1, keepdim=True), rtol=1e-10, atol=0
     )  # bits 2^-41 below the max dropped
+
+
+@pytest.mark.parametrize("k", [64, 1000, 3072])
+def test_the_native_kernel_and_the_blas_give_the_same_integers(k):
+    """On CPU with the native kernels `exact_rows` reads a float32 copy of the slice; the BLAS path reads float64.
+    Both must be the exact integers, so switching between them changes no bit (here: every row count)."""
+    x, w = worst_case(k, 70, m=300)
+    sw = SplitWeight(w)
+    if rows_kernel() is None:
+        assert sw.kernel is None and sw.columns is None
+        pytest.skip("native kernels off or unavailable here: the BLAS path alone (the matrix's torch run)")
+    assert sw.kernel is not None and sw.slice_t is None  # the path the product takes on this machine
+    parts, _ = split(x, sw.bits, sw.slices)
+    rows = parts.view(-1, k)
+    blas = rows @ sw.dense_t()
+    for m in (1, 2, 5, 17, 300, 600):
+        assert torch.equal(sw.kernel.exact_rows(rows[:m].contiguous(), sw.columns, 70), blas[:m]), m
+    assert torch.equal(sw(x), exact.linear(x, w))
