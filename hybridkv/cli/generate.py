@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from hybridkv.cli.options import BatchInvariant
 from hybridkv.kv.layout import KV_LAYOUTS
 
 
@@ -27,15 +28,7 @@ def generate(
     kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget, e.g. 1GiB")] = "1GiB",
     max_model_len: Annotated[int | None, typer.Option()] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads")] = None,
-    batch_invariant: Annotated[
-        bool | None,
-        typer.Option(
-            "--batch-invariant/--no-batch-invariant",
-            help="the same bits in every mode (batch, chunking, prefix hits, preemption, PD, offload): exact sums "
-            "and exact steps (float32: decode ~1.4-2x, prefill ~5x slower); default: on in float32 where the "
-            "model supports it (bfloat16 keeps the fast paths)",
-        ),
-    ] = None,
+    batch_invariant: BatchInvariant = None,
 ) -> None:
     import torch
 

@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from hybridkv.cli.options import BatchInvariant
 from hybridkv.kv.layout import KV_LAYOUTS
 
 
@@ -57,15 +58,7 @@ def serve(
         str | None,
         typer.Option(help="structured-output defaults (vLLM's keys), e.g. '{\"disable_any_whitespace\": true}'"),
     ] = None,
-    batch_invariant: Annotated[
-        bool | None,
-        typer.Option(
-            "--batch-invariant/--no-batch-invariant",
-            help="the same bits in every mode (batch, chunking, prefix hits, preemption, PD, offload): exact sums "
-            "and exact steps (float32: decode ~1.4-2x, prefill ~5x slower); default: on in float32 where the "
-            "model supports it (bfloat16 keeps the fast paths)",
-        ),
-    ] = None,
+    batch_invariant: BatchInvariant = None,
     state_checkpoints: Annotated[
         str,
         typer.Option(
