@@ -2,8 +2,10 @@
 
 Two policies, picked by the plan:
 
-- `FreeChunks` (attention-only plans): as many tokens as the budget allows; every full block is published.
-- `ExactChunks` (plans with recurrent state): the same bits in every mode. Let P1 = prompt length - 1 and A the
+- `FreeChunks` (attention models with batch invariance off): as many tokens as the budget allows; every full
+  block is published.
+- `ExactChunks` (plans with recurrent state, and attention models in batch-invariant mode: `exact_unit`): the
+  same bits in every mode. Let P1 = prompt length - 1 and A the
   plan's split unit (`StateLayout.align`: a multiple of the block size and of every scan's chunk). Tokens
   [0, P1) run in chunks that start and end at multiples of A (the last one may end at P1); every token from P1
   on runs alone (the last prompt token, generated tokens, and generated tokens recomputed after a preemption).
@@ -22,9 +24,18 @@ Two policies, picked by the plan:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+
+from hybridkv.kv.plan import KVPlan
+from hybridkv.models.loader import resolve_dtype
+from hybridkv.models.registry import model_class
 from hybridkv.request.state import Request
+from hybridkv.runner.step_index import EXACT_TILE
 
 CHECKPOINT_POLICIES = ("prompt_end", "chunk_end", "none")
 
@@ -79,3 +90,33 @@ class ExactChunks:
             return 0
         last = req.num_prompt_tokens - 1
         return min(num_computed, last - last % self.align)
+
+
+def exact_unit(
+    batch_invariant: bool | None, dtype: str, budget: int, hf: Mapping[str, Any], plan: KVPlan
+) -> int | None:
+    """The unit exact prefills are split in, or None when the engine runs free chunks and fast arithmetic.
+    Recurrent hybrids are always exact (their state's split unit). Attention models: `batch_invariant` (the
+    engine's switch), by default on in float32 (the dtype users pick for reference answers; bfloat16 makes no
+    bit-for-bit promise), where the model class supports it; the unit is the exact tile rounded up to whole
+    blocks, or the whole blocks a smaller token budget holds (the unit is part of the configuration: engines
+    compared bit for bit share it)."""
+    if plan.state is not None:
+        return plan.state.align
+    supported = model_class(hf).batch_invariant
+    wanted = batch_invariant
+    if wanted and not supported:
+        raise ValueError(f"model_type {hf.get('model_type')!r} has no batch-invariant mode: drop batch_invariant")
+    if wanted is None:
+        wanted = supported and resolve_dtype(dtype) == torch.float32
+    if not wanted:
+        return None
+    unit = math.lcm(plan.block_size, EXACT_TILE)
+    if budget < unit:
+        unit = budget // plan.block_size * plan.block_size
+    if unit == 0:
+        raise ValueError(
+            f"max_num_batched_tokens={budget} is below the block size {plan.block_size}: a "
+            "batch-invariant prefill runs whole blocks; raise it, or pass batch_invariant=False (--no-batch-invariant)"
+        )
+    return unit

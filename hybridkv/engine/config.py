@@ -31,7 +31,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True
     # The same bits in every mode (batch, chunking, prefix hits, preemption, PD, offload): exact arithmetic and
-    # exact steps. None: on in float32 for the models that support it (`engine.engine.batch_invariance`).
+    # exact steps. None: on in float32 for the models that support it (`engine.chunking.exact_unit`).
     batch_invariant: bool | None = None
     # Recurrent-state models: where prefill chunks end so the state there is cached (`engine.chunking`).
     state_checkpoints: str = "prompt_end"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +17,7 @@ import torch
 
 from hybridkv.connectors.base import CONNECTORS, EngineIdentity, KVConnector
 from hybridkv.connectors.identity import model_fingerprint
-from hybridkv.engine.chunking import ExactChunks, FreeChunks
+from hybridkv.engine.chunking import ExactChunks, FreeChunks, exact_unit
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
@@ -29,16 +28,13 @@ from hybridkv.kv.coordinator import KVCacheCoordinator
 from hybridkv.kv.events import MEDIUM_GPU, KVEventLog
 from hybridkv.kv.layout import cross_layers_enabled
 from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
-from hybridkv.kv.plan import KVPlan
 from hybridkv.kv.planner import CacheConfig, plan_kv_cache
-from hybridkv.models.loader import resolve_dtype
-from hybridkv.models.registry import load_model, model_class
+from hybridkv.models.registry import load_model
 from hybridkv.request.prompt import check_prompt
 from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.request.state import Request, RequestStatus
 from hybridkv.runner.model_runner import ModelRunner
 from hybridkv.runner.sampler import sample, token_logprobs
-from hybridkv.runner.step_index import EXACT_TILE
 from hybridkv.structured.constraints import Constraints
 from hybridkv.structured.spec import StructuredOutputs
 
@@ -69,7 +65,8 @@ class LLMEngine:
                 enable_cross_layers_blocks=cross_layers_enabled(config.extra_config),
             ),
         )
-        self.exact_unit = batch_invariance(config, hf, self.plan)  # None: free chunks, fast arithmetic
+        # None: free chunks and fast arithmetic
+        self.exact_unit = exact_unit(config.batch_invariant, config.dtype, config.max_num_batched_tokens, hf, self.plan)
         if self.exact_unit is not None and config.max_num_batched_tokens < self.exact_unit:
             raise ValueError(
                 f"max_num_batched_tokens={config.max_num_batched_tokens} is below {self.exact_unit}, the unit "
@@ -339,30 +336,3 @@ class LLMEngine:
             if detok is not None:
                 req.final_text = detok.visible_text()
         return finished
-
-
-def batch_invariance(config: EngineConfig, hf: dict[str, Any], plan: KVPlan) -> int | None:
-    """The unit exact prefills are split in, or None when the engine runs free chunks and fast arithmetic.
-    Recurrent hybrids are always exact (their state's split unit). Attention models: `batch_invariant`, by
-    default on in float32 (the dtype users pick for reference answers; bfloat16 makes no bit-for-bit promise),
-    where the model class supports it; the unit is the exact tile rounded up to whole blocks, or the whole blocks
-    a smaller token budget holds (the unit is part of the configuration: engines compared bit for bit share it)."""
-    if plan.state is not None:
-        return plan.state.align
-    supported = model_class(hf).batch_invariant
-    wanted = config.batch_invariant
-    if wanted and not supported:
-        raise ValueError(f"model_type {hf.get('model_type')!r} has no batch-invariant mode: drop batch_invariant")
-    if wanted is None:
-        wanted = supported and resolve_dtype(config.dtype) == torch.float32
-    if not wanted:
-        return None
-    unit = math.lcm(plan.block_size, EXACT_TILE)
-    if config.max_num_batched_tokens < unit:
-        unit = config.max_num_batched_tokens // plan.block_size * plan.block_size
-    if unit == 0:
-        raise ValueError(
-            f"max_num_batched_tokens={config.max_num_batched_tokens} is below the block size {plan.block_size}: a "
-            "batch-invariant prefill runs whole blocks; raise it, or pass batch_invariant=False (--no-batch-invariant)"
-        )
-    return unit
