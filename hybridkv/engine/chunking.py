@@ -1,12 +1,12 @@
 """How many tokens of a request run in a step, and how much of its KV the prefix cache may publish.
 
-Two policies, picked by the plan:
+Two policies, picked by the engine (`exact_unit`):
 
 - `FreeChunks` (attention models with batch invariance off): as many tokens as the budget allows; every full
   block is published.
 - `ExactChunks` (plans with recurrent state, and attention models in batch-invariant mode: `exact_unit`): the
-  same bits in every mode. Let P1 = prompt length - 1 and A the
-  plan's split unit (`StateLayout.align`: a multiple of the block size and of every scan's chunk). Tokens
+  same bits in every mode. Let P1 = prompt length - 1 and A the split unit (a multiple of the block size:
+  `StateLayout.align` for hybrids, a multiple of every scan's chunk too; the exact tile for attention). Tokens
   [0, P1) run in chunks that start and end at multiples of A (the last one may end at P1); every token from P1
   on runs alone (the last prompt token, generated tokens, and generated tokens recomputed after a preemption).
   A scan split at multiples of its chunk computes the same bits whole or split, and a token alone always goes
