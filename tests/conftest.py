@@ -56,3 +56,21 @@ def hybrid_reference(hybrid_checkpoint):
     from tests.hybrid_util import alone, prompts
 
     return alone(hybrid_checkpoint, prompts())
+
+
+@pytest.fixture(scope="session", params=["gemma4", "gemma3", "qwen3"])
+def attention_checkpoint(request, tmp_path_factory):
+    """A tiny random attention model in batch-invariant mode's reach (float32), built once per test run and model:
+    Gemma 4 (sliding and full layers, KV sharing), Gemma 3, Qwen3."""
+    pytest.importorskip("transformers")
+    from tests.tiny_models import build
+
+    return str(build(request.param, tmp_path_factory.mktemp(request.param)))
+
+
+@pytest.fixture(scope="session")
+def attention_reference(attention_checkpoint):
+    """Its logits for tests/hybrid_util.py's prompts, each run alone: what every mode must equal."""
+    from tests.hybrid_util import alone, prompts
+
+    return alone(attention_checkpoint, prompts())

@@ -138,3 +138,27 @@ def test_decodes_ahead_of_a_prefill_cannot_starve_it_at_a_budget_of_one_unit():
         progress.append(b.num_computed_tokens)
     assert progress[-1] > 64, progress  # b moves on although a decodes in every step it can
     s.kv.check_integrity()
+
+
+def test_the_split_unit_of_batch_invariant_mode():
+    """`exact_unit`: the exact tile rounded to blocks, the whole blocks a smaller budget holds, None where off; a
+    hybrid's state align always; clear errors for a model without the mode and a budget below one block."""
+    from types import SimpleNamespace
+
+    from hybridkv.engine.chunking import exact_unit
+
+    plan = SimpleNamespace(state=None, block_size=16)
+    qwen3, gpt_oss = {"model_type": "qwen3"}, {"model_type": "gpt_oss"}
+    assert exact_unit(None, "float32", 2048, qwen3, plan) == 64
+    assert exact_unit(None, "float32", 100, qwen3, plan) == 64  # a budget past the unit keeps it
+    assert exact_unit(None, "float32", 40, qwen3, plan) == 32
+    assert exact_unit(None, "bfloat16", 2048, qwen3, plan) is None
+    assert exact_unit(True, "bfloat16", 2048, qwen3, plan) == 64
+    assert exact_unit(False, "float32", 2048, qwen3, plan) is None
+    assert exact_unit(None, "float32", 2048, gpt_oss, plan) is None  # no such mode: the fast paths
+    assert exact_unit(None, "float32", 2048, qwen3, SimpleNamespace(state=SimpleNamespace(align=128))) == 128
+    assert exact_unit(None, "float32", 2048, qwen3, SimpleNamespace(state=None, block_size=48)) == 192  # lcm
+    with pytest.raises(ValueError, match="no batch-invariant mode"):
+        exact_unit(True, "float32", 2048, gpt_oss, plan)
+    with pytest.raises(ValueError, match=r"below the block size 16.*--no-batch-invariant"):
+        exact_unit(None, "float32", 8, qwen3, plan)

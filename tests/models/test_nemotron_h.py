@@ -137,3 +137,11 @@ def test_config_from_pattern_and_moe_refused():
     assert model.layers[0].mixer.chunk == 16
     with pytest.raises(ValueError, match="MoE layers are not supported yet"):
         NemotronHForCausalLM(dict(cfg, hybrid_override_pattern="ME*"))
+
+
+def test_time_step_limit_in_either_json_spelling_and_a_bad_one_refused():
+    from hybridkv.models.nemotron_h import _config_float
+
+    assert _config_float({"__float__": "Infinity"}) == float("inf") and _config_float(0) == 0.0
+    with pytest.raises(ValueError, match="time_step_limit"):
+        _config_float({"low": 1})

@@ -1,6 +1,6 @@
-"""Offloading attention models in batch-invariant mode (tiny random Gemma 4 and Qwen3, float32): a request whose
-prefix loads from the CPU or disk tier computes the single run's bits, in both layouts; loads resume only where
-a prefill tile begins. Each run checks that the load ran."""
+"""Offloading attention models in batch-invariant mode (tiny random Gemma 4, Gemma 3 and Qwen3, float32): a
+request whose prefix loads from the CPU or disk tier computes the single run's bits, in both layouts; loads resume
+only where a prefill tile begins. Each run checks that the load ran."""
 
 from __future__ import annotations
 
@@ -8,23 +8,11 @@ import pytest
 
 from tests.hybrid_util import alone, assert_same_bits, engine, generate, prompts
 from tests.offload.test_offload_hybrid import loaded
-from tests.tiny_models import build
-
-
-@pytest.fixture(scope="module", params=["gemma4", "qwen3"])
-def checkpoint(request, tmp_path_factory):
-    pytest.importorskip("transformers")
-    return str(build(request.param, tmp_path_factory.mktemp(request.param)))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    return alone(checkpoint, prompts())
 
 
 @pytest.mark.parametrize("layout", ["per-layer", "packed"])
-def test_a_cpu_tier_hit_computes_the_same_bits(checkpoint, reference, layout):
-    llm = engine(checkpoint, kv_layout=layout, kv_offload_cpu="32MiB")
+def test_a_cpu_tier_hit_computes_the_same_bits(attention_checkpoint, attention_reference, layout):
+    llm = engine(attention_checkpoint, kv_layout=layout, kv_offload_cpu="32MiB")
     generate(llm, prompts())
     got = []
     for p in prompts():
@@ -33,33 +21,33 @@ def test_a_cpu_tier_hit_computes_the_same_bits(checkpoint, reference, layout):
     tokens, blocks = loaded(llm)
     unit = llm.engine.exact_unit
     assert tokens == sum((len(p) - 1) // unit * unit for p in prompts()) and blocks > 0  # whole tiles only
-    assert_same_bits(got, reference)
+    assert_same_bits(got, attention_reference)
     llm.engine.connector.flush()
     llm.engine.connector.check_integrity()
 
 
-def test_a_restarted_instance_loads_from_the_disk_tier(checkpoint, reference, tmp_path):
+def test_a_restarted_instance_loads_from_the_disk_tier(attention_checkpoint, attention_reference, tmp_path):
     disk = f"{tmp_path}:64MiB"
-    first = engine(checkpoint, kv_offload_cpu="32MiB", kv_offload_disk=disk)
+    first = engine(attention_checkpoint, kv_offload_cpu="32MiB", kv_offload_disk=disk)
     generate(first, prompts())
     first.engine.connector.flush()
     first.engine.shutdown()
-    second = engine(checkpoint, kv_offload_cpu="32MiB", kv_offload_disk=disk, kv_layout="packed")
+    second = engine(attention_checkpoint, kv_offload_cpu="32MiB", kv_offload_disk=disk, kv_layout="packed")
     got = [generate(second, [p])[0] for p in prompts()]
     m = second.engine.connector.metrics()
     assert second.engine.scheduler.stats.external_hit_tokens >= 128 + 64 and m["kv_offload_disk_hit_blocks_total"] > 0
-    assert_same_bits(got, reference)
+    assert_same_bits(got, attention_reference)
 
 
-def test_a_load_stops_where_a_tile_begins(checkpoint):
+def test_a_load_stops_where_a_tile_begins(attention_checkpoint):
     """The tier holds prompt 0's [0, 128); a prompt of its first 100 tokens could load 96 (six whole blocks), but
     would then compute from mid-tile: it loads 64, and has the bits it has alone."""
-    llm = engine(checkpoint, kv_offload_cpu="32MiB")
+    llm = engine(attention_checkpoint, kv_offload_cpu="32MiB")
     base = prompts()[0]
     generate(llm, [base])
     llm.engine.connector.flush()
     llm.engine.kv.pool.reset_prefix_cache()
     before = llm.engine.scheduler.stats.external_hit_tokens
     got = generate(llm, [base[:100]])
-    assert_same_bits(got, alone(checkpoint, [base[:100]]))
+    assert_same_bits(got, alone(attention_checkpoint, [base[:100]]))
     assert llm.engine.scheduler.stats.external_hit_tokens - before == 64
