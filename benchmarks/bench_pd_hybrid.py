@@ -31,7 +31,7 @@ def needed_bytes(folder: Path, length: int) -> tuple[int, int]:
 
     plan = plan_from_hf_config(load_hf_config(folder), CacheConfig(1 << 30, 32768), dtype="float32")
     blocks = -(-(length - 1) // plan.block_size)
-    kv = sum(blocks * g.used_bytes_per_block for g in plan.groups if not g.is_state_page)
+    kv = sum(blocks * g.used_bytes_per_block for g in plan.groups if not g.is_state)
     return kv, plan.state.bytes_per_request
 
 

@@ -62,8 +62,6 @@ def run_json(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
 
 def groups_summary(result: dict[str, Any]) -> str:
     counts = Counter((str(g["kind"])[0].upper(), g["block_size"]) for g in result.get("groups", []))
-    for g in result.get("groups", []):  # a summarised set of state page groups counts as its page groups
-        counts[(str(g["kind"])[0].upper(), g["block_size"])] += g.get("num_page_groups", 1) - 1
     return " ".join(f"{kind}{bs}x{n}" for (kind, bs), n in sorted(counts.items()))
 
 

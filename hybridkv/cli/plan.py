@@ -94,8 +94,8 @@ def _print_plan(p: KVPlan, alt: KVPlan, model_type: str, cache: CacheConfig) -> 
     for col in ("group", "kind", "window", "layers", "bytes/block", f"descriptors/block {p.layout}", alt.layout):
         groups.add_column(col)
     for g in p.groups:
-        if g.is_state_page:
-            continue  # summarised below, one row for all page groups
+        if g.is_state:
+            continue  # its own row below: a bundle of pages per entry
         groups.add_row(
             str(g.group_id),
             g.kind,
@@ -106,10 +106,10 @@ def _print_plan(p: KVPlan, alt: KVPlan, model_type: str, cache: CacheConfig) -> 
             str(alt.descriptors_per_block(g.group_id)),
         )
     if p.state is not None:
-        st, first = p.state, p.state.page_groups[0]
+        st, first = p.state, p.state.group
         groups.add_row(
-            f"{first}-{st.page_groups[-1]}",
-            f"{p.groups[first].kind} ({st.num_pages} page groups)",
+            str(first),
+            f"{p.groups[first].kind} ({st.num_pages}-page bundles)",
             "-",
             _layers(st.layers),
             format_bytes(p.bytes_per_block),

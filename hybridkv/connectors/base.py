@@ -91,6 +91,11 @@ class KVConnector:
     # unit: its prefill tiles begin there); set by the engine before `register`.
     resume_unit = 1
 
+    def pages(self, block_id: int) -> tuple[int, ...]:
+        """The block ids a table entry stands for: a recurrent-state bundle's pages (`state_plan`), else itself.
+        The engine replaces it with its coordinator's before `register`; only code that moves bytes asks."""
+        return (block_id,)
+
     def accept_transfer_params(self, raw: Any, num_prompts: int = 1) -> list[Any]:
         """Client-supplied kv_transfer_params (hostile) for a request of `num_prompts` prompts -> per prompt, the
         typed value `Request.kv_transfer_params` carries (None: nothing to do). Called on the HTTP side before

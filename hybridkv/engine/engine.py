@@ -88,6 +88,7 @@ class LLMEngine:
             identity = EngineIdentity(uuid.uuid4().hex, model_fingerprint(config.model), config.dtype)
             self.connector = CONNECTORS[config.kv_transfer_config.kv_connector](config.kv_transfer_config, identity)
             self.connector.resume_unit = unit
+            self.connector.pages = self.kv.pages  # type: ignore[method-assign]
             self.connector.register(self.plan, self.runner.memory)
             if self.kv_events is not None:
                 self.connector.set_kv_events(self.kv_events)
@@ -220,7 +221,7 @@ class LLMEngine:
         core's and the connector's invariants checked. Call it on the thread that steps the engine."""
         s, pool, st = self.scheduler, self.kv.pool, self.scheduler.stats
         held = self.kv.blocks_held_per_group()
-        state_groups = set(self.plan.state.page_groups) if self.plan.state is not None else set()
+        state = self.plan.state
         integrity = None
         if check_integrity:
             try:
@@ -234,9 +235,11 @@ class LLMEngine:
             waiting_for_kv=len(s.waiting_for_kv),
             blocks_used=pool.num_used_blocks,
             blocks_free=pool.num_free_blocks,
-            group_blocks_used=tuple(n for g, n in zip(self.plan.groups, held) if not g.is_state_page),
-            state_blocks_used=sum(n for g, n in zip(self.plan.groups, held) if g.is_state_page),
-            state_checkpoint_bytes=self.plan.bytes_per_block * sum(1 for _, g in pool.cached if g in state_groups),
+            group_blocks_used=tuple(n for g, n in zip(self.plan.groups, held) if not g.is_state),
+            state_blocks_used=sum(n for g, n in zip(self.plan.groups, held) if g.is_state),
+            state_checkpoint_bytes=0
+            if state is None
+            else sum(g == state.group for _, g in pool.cached) * state.bytes_per_request,
             prefix_query_tokens=st.prefix_query_tokens,
             prefix_hit_tokens=st.prefix_hit_tokens,
             prompt_tokens=st.prompt_tokens,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from hybridkv.engine.chunking import ExactChunks, FreeChunks
@@ -112,6 +112,7 @@ class Scheduler:
             sample=sample,
             keep_state=not last,
             prompt=start + n <= req.num_prompt_tokens,
+            state_entries=self.kv.state_entries(req.request_id, start, start + n),
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -120,6 +121,8 @@ class Scheduler:
             # The budget was kept for a queue head that cannot be admitted (the running requests hold the blocks
             # it needs): the running requests go on, or nothing ever frees them.
             out = self._schedule(reserve=False)
+        if out.chunks:  # bundles formed while nothing ran stay pending until an output that runs
+            out = replace(out, new_bundles=self.kv.drain_new_bundles())
         return out
 
     def _schedule(self, reserve: bool) -> SchedulerOutput:

@@ -16,8 +16,8 @@ class EngineStats:
     waiting_for_kv: int = 0
     blocks_used: int = 0
     blocks_free: int = 0
-    group_blocks_used: tuple[int, ...] = ()  # attention groups (state page groups are summed below)
-    state_blocks_used: int = 0  # blocks the state page groups' tables hold (live states and hit checkpoints)
+    group_blocks_used: tuple[int, ...] = ()  # attention groups (the state group is counted below)
+    state_blocks_used: int = 0  # block ids the state group's bundles hold (live states, hit checkpoints)
     state_checkpoint_bytes: int = 0  # bytes of state pages published as checkpoints (held or evictable)
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0

@@ -2,11 +2,23 @@
 
 Invariants (checked by `check_integrity`):
 - block 0 is the null block: never free, never cached, never counted; it pads skipped table entries.
-- a block with ref_cnt == 0 is in the free queue; a block with ref_cnt > 0 is not.
+- a block with ref_cnt == 0 is in the free queue or is a spare bundle's head; a block with ref_cnt > 0 is neither.
 - the free queue is LRU: cached blocks freed last are evicted last; uncached blocks are reused first.
 - a block is in the cache map under key k iff block.key == k.
 - with an event log, every key that enters the cache map is logged as stored by the caller of `cache_block` (which
   knows the tokens; the pool reports whether the key entered), and every key that leaves it is logged here.
+
+Bundles (the recurrent-state group's table entries, `state_plan`): `get_new_bundle(m)` takes m blocks and makes
+the lowest one the *head*, which alone is referenced, cached, hit and queued; the head's `pages` lists all m ids.
+- the other m - 1 (its tails) have ref_cnt 1, no key and sit in no queue for as long as the head is held,
+  queued or spare;
+- a head that drops to ref_cnt 0 cached waits in the queue like any cached block; evicting it sends its tails to
+  the front of the queue;
+- a head that drops to ref_cnt 0 uncached becomes a *spare*: kept whole outside the queue, the next bundle taken
+  whole (O(1): a decode that crosses a block end frees one state entry and takes another). A single block is
+  taken from the queue's uncached front; where the front would evict a cached block, a spare is dissolved first
+  (its m blocks go to the front), so spares never cost a cached block;
+- `num_free_blocks` counts the tails of queued heads and all pages of spares.
 """
 
 from __future__ import annotations
@@ -20,12 +32,13 @@ CacheKey = tuple[BlockHash, int]  # (block hash, group id)
 
 
 class Block:
-    __slots__ = ("block_id", "key", "next", "prev", "ref_cnt")
+    __slots__ = ("block_id", "key", "next", "pages", "prev", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.key: CacheKey | None = None
+        self.pages: tuple[int, ...] | None = None  # a bundle head: the bundle's block ids, ascending (it is one)
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -89,6 +102,10 @@ class BlockPool:
         self.cached: dict[CacheKey, Block] = {}
         self.enable_caching = enable_caching
         self.events = events  # None: no KV events (the default; nothing is recorded)
+        self.queued_tails = 0  # tails of the bundle heads in the free queue (freed when those heads are evicted)
+        self.spares: list[Block] = []  # uncached free bundles, kept whole (heads; ref_cnt 0, in no queue)
+        self.spare_pages = 0
+        self.new_bundles: dict[int, tuple[int, ...]] = {}  # formed since `drain_new_bundles`: head -> pages
 
     @property
     def num_blocks(self) -> int:
@@ -96,26 +113,55 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that can be handed out now, counting cached blocks nobody holds (evictable)."""
-        return self.free_queue.size
+        """Blocks that can be handed out now, counting cached blocks nobody holds (evictable) and their tails."""
+        return self.free_queue.size + self.queued_tails + self.spare_pages
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - 1 - self.free_queue.size
+        return self.num_blocks - 1 - self.num_free_blocks
+
+    def pages(self, block_id: int) -> tuple[int, ...]:
+        """The block ids a table entry stands for: a bundle head's pages, else the block itself."""
+        return self.blocks[block_id].pages or (block_id,)
 
     def get_cached_block(self, block_hash: BlockHash, group_id: int) -> Block | None:
         return self.cached.get((block_hash, group_id)) if self.enable_caching else None
 
     def get_new_blocks(self, n: int) -> list[Block]:
-        if n > self.free_queue.size:
-            raise ValueError(f"asked for {n} blocks, only {self.free_queue.size} free")
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks, only {self.num_free_blocks} free")
         out = []
         for _ in range(n):
+            front = self.free_queue.head.next
+            if self.spares and (front is self.free_queue.tail or front.key is not None):
+                self._dissolve_spare()  # before any cached block is evicted
             block = self.free_queue.popleft()
+            if block.pages is not None:
+                self.queued_tails -= len(block.pages) - 1
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def get_new_bundle(self, num_pages: int) -> Block:
+        """A new bundle of `num_pages` blocks (ref_cnt 1): its head, the lowest id, whose `pages` are all of them."""
+        if self.spares and len(self.spares[-1].pages or ()) == num_pages:
+            head = self.spares.pop()  # taken whole
+            self.spare_pages -= num_pages
+            head.ref_cnt = 1
+            self.new_bundles[head.block_id] = head.pages  # type: ignore[assignment]
+            return head
+        blocks = sorted(self.get_new_blocks(num_pages), key=lambda b: b.block_id)
+        pages = tuple(b.block_id for b in blocks)
+        if num_pages > 1:
+            blocks[0].pages = pages
+        self.new_bundles[pages[0]] = pages
+        return blocks[0]
+
+    def drain_new_bundles(self) -> dict[int, tuple[int, ...]]:
+        """Bundles formed since the last call, head -> pages (a head's pages change only when it heads a new one)."""
+        fresh, self.new_bundles = self.new_bundles, {}
+        return fresh
 
     def _evict(self, block: Block) -> None:
         if block.key is not None:
@@ -123,6 +169,24 @@ class BlockPool:
             if self.events is not None:
                 self.events.removed(*block.key)
             block.key = None
+        if block.pages is not None:  # an evicted head: its tails are free now, to be used first
+            self._dissolve(block)
+
+    def _dissolve(self, head: Block) -> None:
+        """Release a head's tails to the front of the queue (the head itself, out of the queue, is the caller's)."""
+        assert head.pages is not None
+        for page in head.pages[1:]:
+            tail = self.blocks[page]
+            tail.ref_cnt = 0
+            self.free_queue.appendleft(tail)
+        head.pages = None
+
+    def _dissolve_spare(self) -> None:
+        head = self.spares.pop()
+        assert head.pages is not None
+        self.spare_pages -= len(head.pages)
+        self._dissolve(head)
+        self.free_queue.appendleft(head)
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take a reference on prefix-hit blocks, reviving those that sat in the free queue."""
@@ -131,6 +195,8 @@ class BlockPool:
                 continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                if block.pages is not None:
+                    self.queued_tails -= len(block.pages) - 1
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[Block]) -> None:
@@ -141,10 +207,15 @@ class BlockPool:
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.key is None:
-                    self.free_queue.appendleft(block)
-                else:
+                if block.key is not None:
                     self.free_queue.append(block)
+                    if block.pages is not None:
+                        self.queued_tails += len(block.pages) - 1
+                elif block.pages is not None:
+                    self.spares.append(block)
+                    self.spare_pages += len(block.pages)
+                else:
+                    self.free_queue.appendleft(block)
 
     def cache_block(self, block: Block, block_hash: BlockHash, group_id: int) -> bool:
         """Publish a full block under its hash. A key already taken by another block is left alone, so tables
@@ -175,6 +246,13 @@ class BlockPool:
             out.setdefault(group_id, []).append(block_hash)
         return out
 
+    def bundle_heads(self) -> list[Block]:
+        return [b for b in self.blocks if b.pages is not None]
+
+    def tail_ids(self) -> list[int]:
+        """The tails of every live bundle (held or cached): referenced by their head, not by any table."""
+        return [p for head in self.bundle_heads() for p in head.pages[1:]]  # type: ignore[index]
+
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the module docstring is broken."""
         assert self.null_block.ref_cnt == 0 and self.null_block.key is None, "null block was used"
@@ -185,9 +263,26 @@ class BlockPool:
             assert block.ref_cnt == 0, f"{block} is referenced but in the free queue"
             in_queue.add(block.block_id)
         assert len(in_queue) == self.free_queue.size, "free queue size is off"
+        spares = {b.block_id for b in self.spares}
+        assert len(spares) == len(self.spares), "a spare bundle is listed twice"
+        assert not spares & in_queue, "a spare bundle's head is in the free queue"
+        for head in self.spares:
+            assert head.key is None and head.pages is not None, f"{head} is no uncached bundle head"
+        assert self.spare_pages == sum(len(h.pages or ()) for h in self.spares), "spare pages are miscounted"
         for block in self.blocks[1:]:
             assert block.ref_cnt >= 0, f"{block} has a negative reference count"
-            assert (block.ref_cnt == 0) == (block.block_id in in_queue), f"{block} is neither held nor free"
+            free = block.block_id in in_queue or block.block_id in spares
+            assert (block.ref_cnt == 0) == free, f"{block} is neither held nor free"
+        tails = 0
+        for head in self.bundle_heads():
+            assert head.pages is not None and head.pages[0] == head.block_id, f"{head} is not its bundle's lowest id"
+            assert list(head.pages) == sorted(set(head.pages)), f"{head}'s pages repeat or are unsorted"
+            assert head.ref_cnt > 0 or head.block_id in in_queue | spares, f"{head} is neither held nor free"
+            tails += (len(head.pages) - 1) * (head.block_id in in_queue)
+            for page in head.pages[1:]:
+                tail = self.blocks[page]
+                assert tail.ref_cnt == 1 and tail.key is None and tail.pages is None, f"{tail} is a bad tail of {head}"
+        assert tails == self.queued_tails, f"queued tails {self.queued_tails}, counted {tails}"
         for key, block in self.cached.items():
             assert block.key == key, f"{block} is cached under a key it does not carry"
         assert sum(b.key is not None for b in self.blocks) == len(self.cached), "a block carries a stale key"

@@ -13,6 +13,7 @@ from hybridkv.kv.kinds import manager_for
 from hybridkv.kv.managers import GroupManager
 from hybridkv.kv.plan import KVPlan
 from hybridkv.kv.prefix import common_resume_block, reusable_tokens
+from hybridkv.kv.state_manager import StateManager
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class KVCacheCoordinator:
         self.block_size = plan.block_size
         self.pool = BlockPool(plan.num_blocks, enable_caching=enable_prefix_caching, events=events)
         self.managers: list[GroupManager] = [manager_for(g.spec)(g, self.pool) for g in plan.groups]
+        self.state_manager = None
+        if plan.state is not None:
+            self.state_manager = self.managers[plan.state.group]
+            assert isinstance(self.state_manager, StateManager)
 
     @property
     def num_groups(self) -> int:
@@ -132,9 +137,27 @@ class KVCacheCoordinator:
         return [m.block_ids(req_id) for m in self.managers]
 
     def blocks_held_per_group(self) -> list[int]:
-        """Distinct blocks each group's tables hold (shared prefix blocks count once)."""
+        """Distinct blocks each group's tables hold (shared prefix blocks count once; a bundle counts its pages)."""
         null = self.pool.null_block
-        return [len({id(b) for t in m.tables.values() for b in t if b is not null}) for m in self.managers]
+        return [
+            len({id(b) for t in m.tables.values() for b in t if b is not null}) * m.pages_per_entry
+            for m in self.managers
+        ]
+
+    def pages(self, block_id: int) -> tuple[int, ...]:
+        """The block ids a table entry `block_id` stands for (a state bundle's pages; else itself)."""
+        return self.pool.pages(block_id)
+
+    def state_entries(self, req_id: str, start: int, end: int) -> tuple[int, int]:
+        """For a chunk of tokens [start, end) of `req_id`: the bundle head of the state it starts from (-1 at 0)
+        and of the entry it writes (`state.step_entries`); (-1, -1) without a state group."""
+        if self.state_manager is None:
+            return -1, -1
+        return self.state_manager.step_entries(req_id, start, end)
+
+    def drain_new_bundles(self) -> dict[int, tuple[int, ...]]:
+        """Bundles formed since the last call: head -> its pages (what the runner's bundle table learns)."""
+        return self.pool.drain_new_bundles()
 
     def check_integrity(self, extra_refs: Counter[int] | None = None) -> None:
         """Pool invariants, plus: each block's reference count equals the tables (and `extra_refs`, e.g. a
@@ -155,5 +178,6 @@ class KVCacheCoordinator:
                         continue
                     refs[b.block_id] += 1
                     assert owner.setdefault(b.block_id, m.group_id) == m.group_id, f"{b} serves two groups"
+        refs.update(self.pool.tail_ids())  # a bundle's tails: one reference each, their head's
         for b in self.pool.blocks[1:]:
             assert b.ref_cnt == refs[b.block_id], f"{b} has {refs[b.block_id]} holders"

@@ -12,8 +12,8 @@ Invariants a consumer relies on (the e2e test rebuilds the cached set from them)
   and `parent_block_hash` is the hash of the block before the first one (None for a prompt's first block).
 
 Groups. Every KV cache group the pool caches reports its own records with its group id: full attention, sliding
-window (a block that left a request's window stays cached until evicted, as in vLLM) and each recurrent-state page
-group (a state checkpoint after block i is cached under block i's hash in every page group of the state).
+window (a block that left a request's window stays cached until evicted, as in vLLM) and the recurrent-state group
+(a state checkpoint after block i is one record under block i's hash, however many pages its bundle has).
 """
 
 from __future__ import annotations

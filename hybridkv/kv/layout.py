@@ -8,8 +8,8 @@ inside those S bytes. The layout maps (block b, offset o) to a buffer address:
              is its own buffer with block stride c - a; (b, o) -> region(o), b * (c - a) + (o - a).
              With uniform pages this is one buffer per slot, each shared by one layer of every group.
 
-State page groups (`state_plan`) own whole block ids and no layer page: they do not constrain the cuts, but
-they make every byte of every block id live, so a plan with state allocates every region, layers or not.
+The state group (`state_plan`) owns whole block ids and no layer page: it does not constrain the cuts, but it
+makes every byte of every block id live, so a plan with state allocates every region, layers or not.
 """
 
 from __future__ import annotations
@@ -103,6 +103,6 @@ def build_tensors(
     """The tensors and buffer sizes of `layout` ("per_layer" or "packed"); buffers in offset order."""
     if layout == "packed":
         return tuple(_packed(groups, bytes_per_block, num_blocks)), (bytes_per_block * num_blocks,)
-    every_region = any(g.is_state_page for g in groups)
+    every_region = any(g.is_state for g in groups)
     tensors, sizes = _per_layer(groups, bytes_per_block, num_blocks, every_region)
     return tuple(tensors), tuple(sizes)

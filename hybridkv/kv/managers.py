@@ -48,6 +48,7 @@ class GroupManager:
         self.group_id = group.group_id
         self.spec = group.spec
         self.block_size = group.block_size
+        self.pages_per_entry = group.pages_per_entry  # block ids per table entry (a state bundle's pages)
         self.pool = pool
         self.tables: dict[str, list[Block]] = {}
         self.ids: dict[str, list[int]] = {}  # the tables' block ids, kept in step with `tables`

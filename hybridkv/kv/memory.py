@@ -47,6 +47,13 @@ class KVCacheMemory:
         n = self.plan.num_blocks
         return [self.buffers[b][: n * width].view(n, width) for b, width in self.plan.page_regions()]
 
+    def page_bases(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(address of block 0, width) of each region, int64 [regions] each, in offset order: region r of block b
+        starts at address base[r] + b * width[r] (CPU memory; the native state step reads and writes there)."""
+        regions = self._regions()
+        bases = torch.tensor([r.data_ptr() for r in regions], dtype=torch.int64)
+        return bases, torch.tensor([r.shape[1] for r in regions], dtype=torch.int64)
+
     def read_pages(self, block_ids: torch.Tensor) -> torch.Tensor:
         """A copy of the S bytes of each block id: uint8 [len(block_ids), S]."""
         ids = block_ids.to(device=self.device, dtype=torch.long)

@@ -1,7 +1,8 @@
 """KVPlan: the one immutable answer to "where does each layer's KV live". Every component reads it.
 
 Attention layers own pages inside each block id (`KVTensor`s); recurrent layers own a per-request state blob cut
-into block-sized pages, one state page group per page (`state_plan.StateLayout`, re-exported here).
+into block-sized pages, held by one state group whose entries are bundles of pages (`state_plan.StateLayout`,
+re-exported here).
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ __all__ = ["KVGroup", "KVPlan", "KVTensor", "StateLayout", "StateSlot"]
 class KVGroup:
     """Layers of one kind that share a block table. A block id of this group owns, for each layer,
     the page at byte `offsets[i]` of the block's `bytes_per_block` span (in the plan's address space).
-    A state page group has no layers: its block is the whole span (one page of a request's state blob)."""
+    The state group has no layers: a table entry is a bundle of `pages_per_entry` block ids, each one page (the
+    whole span) of a request's state blob."""
 
     group_id: int
     spec: KVSpec  # the group's semantics (kind, window, block size); layers may differ in heads/head size
     layers: tuple[int, ...]
     offsets: tuple[int, ...]
     pages: tuple[int, ...]
+    pages_per_entry: int = 1  # block ids one table entry stands for: 1, or m for the state group
 
     @property
     def kind(self) -> str:
@@ -42,11 +45,11 @@ class KVGroup:
 
     @property
     def used_bytes_per_block(self) -> int:
-        """Bytes the group's layer pages take (0 for a state page group, which takes the whole block)."""
+        """Bytes the group's layer pages take (0 for the state group, whose pages take whole blocks)."""
         return sum(self.pages)
 
     @property
-    def is_state_page(self) -> bool:
+    def is_state(self) -> bool:
         return self.spec.per_request_state
 
 
@@ -78,7 +81,7 @@ class KVPlan:
     max_num_batched_tokens: int
     # Every layer that reads paged KV (KV-sharing consumers included): the layers `group_of`/`tensor_of` answer.
     attention_layers: tuple[int, ...]
-    state: StateLayout | None = None  # the recurrent state's blob and page groups; None without recurrent layers
+    state: StateLayout | None = None  # the recurrent state's blob and group; None without recurrent layers
 
     @property
     def num_layers(self) -> int:
@@ -130,12 +133,13 @@ class KVPlan:
     @property
     def blocks_per_request(self) -> int:
         """Blocks one decoding request of `max_model_len` tokens holds, summed over groups."""
-        return sum(g.spec.blocks_held(self.max_model_len) for g in self.groups)
+        return sum(g.spec.blocks_held(self.max_model_len) * g.pages_per_entry for g in self.groups)
 
     @property
     def blocks_admitted_per_request(self) -> int:
         """Blocks one request may hold while a whole `max_num_batched_tokens` chunk is in flight."""
-        return sum(g.spec.blocks_admitted(self.max_model_len, self.max_num_batched_tokens) for g in self.groups)
+        n, chunk = self.max_model_len, self.max_num_batched_tokens
+        return sum(g.spec.blocks_admitted(n, chunk) * g.pages_per_entry for g in self.groups)
 
     @property
     def max_concurrency(self) -> float:
@@ -150,10 +154,10 @@ class KVPlan:
 
     def block_spans(self, group_id: int, block_id: int) -> list[tuple[int, int, int]]:
         """(buffer, byte start, byte length) regions holding block `block_id` of group `group_id`, merged where
-        contiguous: one region when packed, one per layer page (or run of adjacent pages) otherwise. A state page
-        group's block is all S bytes of the block id: one span per region."""
+        contiguous: one region when packed, one per layer page (or run of adjacent pages) otherwise. For the state
+        group `block_id` is one page (one block id of a bundle): all S bytes of it, one span per region."""
         group = self.groups[group_id]
-        if group.is_state_page:
+        if group.is_state:
             return [(b, block_id * width, width) for b, width in self.page_regions()]
         spans: list[tuple[int, int, int]] = []
         for layer, page in zip(group.layers, group.pages, strict=True):
@@ -203,7 +207,7 @@ class KVPlan:
         }
 
     def _groups_dict(self) -> list[dict]:
-        """One entry per attention group; the state page groups summarised as one entry (all its layers)."""
+        """One entry per group; the state group's lists all its layers."""
         out: list[dict] = [
             {
                 "group_id": g.group_id,
@@ -216,15 +220,14 @@ class KVPlan:
                 "descriptors_per_block": self.descriptors_per_block(g.group_id),
             }
             for g in self.groups
-            if not g.is_state_page
+            if not g.is_state
         ]
         if self.state is not None:
-            first = self.state.page_groups[0]
+            first = self.state.group
             out.append(
                 {
                     "group_id": first,
-                    "group_ids": [first, self.state.page_groups[-1]],
-                    "num_page_groups": self.state.num_pages,
+                    "pages_per_entry": self.state.num_pages,
                     "kind": self.groups[first].kind,
                     "sliding_window": None,
                     "block_size": self.block_size,

@@ -8,9 +8,9 @@ holds, fewer groups winning ties. Uniform pages with one bucket give one group o
 sliding layer give two one-layer groups aliasing one tensor.
 
 Recurrent state. S is chosen from the attention layers alone (so the block size never grows to fit a state);
-the states of all recurrent layers form one blob per request, cut into m = cdiv(blob, S) pages, one state page
-group each (ids after the attention groups; `state_plan`). The objective counts those m pages at every S
-candidate. A model without attention layers gets S = the blob, m = 1.
+the states of all recurrent layers form one blob per request, cut into m = cdiv(blob, S) pages: one state group
+(id after the attention groups) whose table entries are bundles of m block ids (`state_plan`). The objective
+counts those m pages at every S candidate. A model without attention layers gets S = the blob, m = 1.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def _pack(bucket: Bucket, capacity: int) -> list[Bucket]:
 def _choose_groups(
     buckets: list[Bucket], max_model_len: int, state_blob: int = 0, state_held: int = 0
 ) -> tuple[int, list[Bucket]]:
-    """The block bytes S and the attention groups. A state blob of `state_blob` bytes takes cdiv(blob, S) page
-    groups of `state_held` blocks each per request: counted at every candidate S."""
+    """The block bytes S and the attention groups. A state blob of `state_blob` bytes takes `state_held` bundles
+    of cdiv(blob, S) blocks each per request: counted at every candidate S."""
     max_page = max(spec.page_size_bytes for b in buckets for _, spec in b)
     candidates = set()
     for b in buckets:
@@ -109,7 +109,7 @@ def _make_group(group_id: int, members: Bucket) -> KVGroup:
 
 
 def _admitted_blocks(groups: list[KVGroup], num_tokens: int, max_num_batched_tokens: int) -> int:
-    return sum(g.spec.blocks_admitted(num_tokens, max_num_batched_tokens) for g in groups)
+    return sum(g.spec.blocks_admitted(num_tokens, max_num_batched_tokens) * g.pages_per_entry for g in groups)
 
 
 def _check_fits(groups: list[KVGroup], stride: int, num_blocks: int, cfg: CacheConfig) -> None:
@@ -154,10 +154,10 @@ def plan_kv_cache(model: ModelKV, cfg: CacheConfig) -> KVPlan:
     groups = [_make_group(i, m) for i, m in enumerate(members)]
     state = None
     if states:
-        # One spec for every page group: the table semantics depend only on the kind and the block size.
-        page_ids = tuple(range(len(groups), len(groups) + cdiv(blob, stride)))
-        groups += [KVGroup(g, states[0][1], (), (), ()) for g in page_ids]
-        state = StateLayout(page_groups=page_ids, page_bytes=stride, blob_bytes=blob, slots=slots)
+        # One spec for the state group: the table semantics depend only on the kind and the block size.
+        gid, m = len(groups), cdiv(blob, stride)
+        groups.append(KVGroup(gid, states[0][1], (), (), (), pages_per_entry=m))
+        state = StateLayout(group=gid, num_pages=m, page_bytes=stride, blob_bytes=blob, slots=slots)
     num_blocks = cfg.memory_bytes // stride
     _check_fits(groups, stride, num_blocks, cfg)
     layout = choose_layout(cfg.kv_layout, cfg.enable_cross_layers_blocks, groups, [s for _, s in attention])

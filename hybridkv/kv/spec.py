@@ -54,7 +54,7 @@ class KVSpec:
     # Whether a table of this kind may hold a block after a null entry (a recurrent state's tables do: entries a
     # prefill chunk jumps over stay null). False keeps the attention rule "null entries come first".
     interior_nulls: ClassVar[bool] = False
-    # Whether the layer keeps one per-request state blob (planned into state page groups) rather than pages of its
+    # Whether the layer keeps one per-request state blob (planned into the state group) rather than pages of its
     # own inside each block id.
     per_request_state: ClassVar[bool] = False
     dtype: torch.dtype

@@ -7,7 +7,7 @@ is entry cdiv(c, bs) - 1. An entry the request has moved past holds the state af
 crosses several blocks writes only the entry where it ends, and the entries it jumps over stay null. Hence:
 - num_skipped_tokens(c) = c - 1: first_needed_block(c) is the entry of the live state;
 - resuming at block k needs entry k - 1 only (KVSpec's right-to-left `resume_block` gives exactly that);
-- a request holds 1 block per state page group while it decodes, 2 during a step that crosses a block (the old
+- a request holds 1 entry (one bundle) while it decodes, 2 during a step that crosses a block (the old
   live entry, read, and the new one, written; the old one goes at the next `remove_skipped_blocks`).
 The state kind's manager is `state_manager.StateManager`. How the state bytes map to block ids: `state_plan`.
 """

@@ -1,4 +1,7 @@
-"""StateManager: the block tables of one recurrent-state page group (table semantics in `state.py`).
+"""StateManager: the block tables of the recurrent-state group (table semantics in `state.py`).
+
+A table entry is a bundle (`state_plan`): one head block standing for the m pages of one state, allocated and
+freed as one (`BlockPool.get_new_bundle`), so every method here does the same work whatever m is.
 
 Per request the manager keeps `held`: table entry -> tokens of the state that entry holds, for exactly the
 entries that hold a block (never more than the old and the new live entry, plus nothing else), so no call
@@ -46,7 +49,7 @@ class StateManager(GroupManager):
             table = list(hit)
         new = sum(1 for e in self._wanted(num_tokens, num_computed_tokens) if e >= len(table) or table[e] is null)
         revived = sum(1 for b in hit if b.ref_cnt == 0 and b is not null)
-        return new + revived
+        return (new + revived) * self.pages_per_entry
 
     def add_hit_blocks(self, req_id: str, hit: Sequence[Block]) -> None:
         super().add_hit_blocks(req_id, hit)
@@ -67,7 +70,7 @@ class StateManager(GroupManager):
         new: list[Block] = []
         for e in self._wanted(num_tokens, num_computed_tokens):
             if table[e] is null:
-                (block,) = self.pool.get_new_blocks(1)
+                block = self.pool.get_new_bundle(self.pages_per_entry)
                 table[e], ids[e] = block, block.block_id
                 new.append(block)
             # What the entry holds once the step ran: c tokens (read) or n tokens (written).
@@ -118,6 +121,13 @@ class StateManager(GroupManager):
         self.ids.pop(req_id, None)
         self.num_cached.pop(req_id, None)
         self.pool.free_blocks(table)
+
+    def step_entries(self, req_id: str, start: int, end: int) -> tuple[int, int]:
+        """The bundle heads a chunk of tokens [start, end) reads its state from (entry cdiv(start, bs) - 1; -1
+        when start is 0: the zero state) and writes its state to (entry cdiv(end, bs) - 1)."""
+        table = self.tables[req_id]
+        source = -1 if start == 0 else table[self._live(start)].block_id
+        return source, table[self._live(end)].block_id
 
     def needs_allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int) -> bool:
         """False exactly when the step stays inside the live entry and no older entry is held."""

@@ -2,12 +2,18 @@
 
 Every block id addresses S = `bytes_per_block` bytes, chosen from the attention layers alone, so the attention
 block size stays the user's. A request's state for ALL recurrent layers is one byte blob (layer after layer: conv
-state, then recurrent state, each 64-byte aligned) cut into m = cdiv(blob_bytes, S) pages. Page j lives in its
-own KV cache group, state page group j, with the recurrent-state table semantics (`state.py`): entry e of page
-group j is page j of the state checkpoint at entry e. A checkpoint is usable only when all m page groups hold
-entry e, which the hit search across groups (`prefix.common_resume_block`) gives for free. A page group owns
-no per-layer tensor: its block is all S bytes of the block id, read and written with `KVCacheMemory.read_pages`
-/ `write_pages`, and page j of a state is bytes [j * S, (j + 1) * S) of its blob.
+state, then recurrent state, each 64-byte aligned) cut into m = cdiv(blob_bytes, S) pages.
+
+The state is ONE KV cache group (`group`), with the recurrent-state table semantics (`state.py`). Its table entry
+is a *bundle*: one block id (the bundle's head, what tables, hashes, hits and events see) standing for m block ids
+of the shared pool (`BlockPool.get_new_bundle`; the head is one of them). Scheduler, coordinator, prefix cache
+and KV events count one entry per block of tokens whatever m is; only code that moves bytes expands an entry to
+its pages (the runner's state view, PD descriptors, offload copies):
+
+    table entry e  ->  head block h  ->  pages (p_0, ..., p_{m-1})   page j = bytes [j * S, (j + 1) * S) of the blob
+
+The state group owns no per-layer tensor: a page is all S bytes of its block id, read and written with
+`KVCacheMemory.read_pages` / `write_pages`.
 """
 
 from __future__ import annotations
@@ -33,21 +39,18 @@ class StateSlot:
 
 @dataclass(frozen=True)
 class StateLayout:
-    """The state blob of one request and the page groups that hold it (group ids `page_groups`, in page order)."""
+    """The state blob of one request and the group that holds it (one bundle of `num_pages` pages per entry)."""
 
-    page_groups: tuple[int, ...]
+    group: int  # the state group's id (after the attention groups)
+    num_pages: int  # m: block ids per table entry
     page_bytes: int  # S: the plan's bytes_per_block
     blob_bytes: int
     slots: tuple[StateSlot, ...]  # in layer order, offsets increasing
 
     def __post_init__(self) -> None:
-        if len(self.page_groups) != cdiv(self.blob_bytes, self.page_bytes):
+        if self.num_pages != cdiv(self.blob_bytes, self.page_bytes):
             need = cdiv(self.blob_bytes, self.page_bytes)
-            raise ValueError(f"{self.blob_bytes} state bytes in pages of {self.page_bytes} need {need} page groups")
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.page_groups)
+            raise ValueError(f"{self.blob_bytes} state bytes in pages of {self.page_bytes} need {need} pages")
 
     @property
     def bytes_per_request(self) -> int:
@@ -86,7 +89,7 @@ class StateLayout:
             "bytes_per_request": self.bytes_per_request,
             "padding_bytes": self.padding_bytes,
             "align": self.align,
-            "page_groups": [self.page_groups[0], self.page_groups[-1]],
+            "group": self.group,
             "layers": list(self.layers),
         }
 

@@ -41,12 +41,27 @@ class RecurrentStates(Protocol):
     Shapes (`kv.state` sizes them from the config; the layer must agree):
       conv       [K - 1, conv_dim]  the last K - 1 inputs of the causal conv, oldest first, token-major;
       recurrent  Gated DeltaNet [Hv, dk, dv]; Mamba2 [H, P, N].
+
+    Requests listed in `in_place` (one token each) are stepped where their states live instead, batched, by a
+    layer that declares `steps_states_in_place` (Gated DeltaNet): `conv_step` then `delta_step` per layer, giving
+    the bits `causal_conv1d` and `gated_delta_step` give on the tensors `state` would return.
     """
 
     spans: Sequence[tuple[int, int]]
+    in_place: Sequence[int]  # request indices, ascending; never asked for through `state`
 
     def state(self, layer: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv, recurrent) state of request r for `layer`, to read and overwrite in place."""
+        ...
+
+    def conv_step(self, layer: int, x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+        """The causal conv of the `in_place` requests' tokens x [n, conv_dim] with taps [K, conv_dim] (float32),
+        moving their conv windows on; returns [n, conv_dim] in x's dtype."""
+        ...
+
+    def delta_step(self, layer: int, *inputs: torch.Tensor) -> torch.Tensor:
+        """`gated_delta_step` on the `in_place` requests' recurrent states with `step_inputs`' tensors
+        (q, k, v, decay, beta; n rows); returns the outputs [n, Hv, dv] float32."""
         ...
 
 
@@ -71,6 +86,9 @@ class CausalLM(nn.Module):
     batch_invariant: ClassVar[bool] = False
     # forward takes `outputs: OutputRows` and returns hidden states for those rows only ([M, hidden]).
     narrows_outputs: ClassVar[bool] = False
+    # Every recurrent layer steps `RecurrentStates.in_place` requests through `conv_step` / `delta_step`; the
+    # runner lists requests there only for such models.
+    steps_states_in_place: ClassVar[bool] = False
 
     def forward(
         self,

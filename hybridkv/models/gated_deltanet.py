@@ -120,6 +120,47 @@ def chunk_gated_delta_rule(
     return out, s
 
 
+def step_inputs(
+    q: torch.Tensor,  # [T, Hk, dk]
+    k: torch.Tensor,  # [T, Hk, dk]
+    v: torch.Tensor,  # [T, Hv, dv]
+    g: torch.Tensor,  # [T, Hv]
+    beta: torch.Tensor,  # [T, Hv]
+) -> tuple[torch.Tensor, ...]:
+    """The one-token step's float32 inputs, row by row: q (normalised, scaled) and k (normalised) expanded to the
+    value heads [T, Hv, dk], v [T, Hv, dv], the decay exp(g) and beta [T, Hv], all contiguous."""
+    hv, dk = v.shape[1], k.shape[-1]
+    qs = _expand_heads(l2norm(q.to(torch.float32)) * dk**-0.5, hv)
+    ks = _expand_heads(l2norm(k.to(torch.float32)), hv)
+    rest = (v.to(torch.float32), g.to(torch.float32).exp(), beta.to(torch.float32))
+    return tuple(x.contiguous() for x in (qs, ks, *rest))
+
+
+def gated_delta_step(
+    q: torch.Tensor,  # [N, Hv, dk] float32, from `step_inputs`
+    k: torch.Tensor,  # [N, Hv, dk]
+    v: torch.Tensor,  # [N, Hv, dv]
+    decay: torch.Tensor,  # [N, Hv] exp(g)
+    beta: torch.Tensor,  # [N, Hv]
+    state: torch.Tensor,  # [N, Hv, dk, dv] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of N independent requests (the decode step). With S the state decayed (decay * S):
+        pred = sum_i S[i] k_i;  delta = (v - pred) beta;  S'[i] = S[i] + k_i delta;  out = sum_i q_i S'[i],
+    the sums over i in index order, one rounding per operation: the exact float32 operations of the native
+    in-pool kernel (`runner/kernels/state_step.cpp`), so both give a request the same bits, whatever the batch.
+    Returns out [N, Hv, dv] and S' [N, Hv, dk, dv]."""
+    decayed = state * decay[..., None, None]
+    pred = torch.zeros_like(v)
+    for i in range(k.shape[-1]):
+        pred = pred + decayed[:, :, i] * k[:, :, i, None]
+    delta = (v - pred) * beta[..., None]
+    new = decayed + k[..., :, None] * delta[..., None, :]
+    out = torch.zeros_like(v)
+    for i in range(q.shape[-1]):
+        out = out + q[:, :, i, None] * new[:, :, i]
+    return out, new
+
+
 def recurrent_gated_delta_rule(
     q: torch.Tensor,  # [T, Hk, dk]
     k: torch.Tensor,  # [T, Hk, dk]
@@ -128,21 +169,15 @@ def recurrent_gated_delta_rule(
     beta: torch.Tensor,  # [T, Hv]
     state: torch.Tensor,  # [Hv, dk, dv]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same rule one token at a time (the decode path; T is 1 there). Returns outputs [T, Hv, dv] (v's dtype)
-    and the float32 state [Hv, dk, dv]."""
-    hv, dk = v.shape[1], k.shape[-1]
-    s = state.to(torch.float32)
-    qs = _expand_heads(l2norm(q.to(torch.float32)) * dk**-0.5, hv)  # [T, Hv, dk]
-    ks = _expand_heads(l2norm(k.to(torch.float32)), hv)
-    vs, gs, bs = v.to(torch.float32), g.to(torch.float32).exp(), beta.to(torch.float32)
+    """The same rule one token at a time (`gated_delta_step`; the decode path, where T is 1). Returns outputs
+    [T, Hv, dv] (v's dtype) and the float32 state [Hv, dk, dv]."""
+    s = state.to(torch.float32)[None]
+    qs, ks, vs, decay, bs = step_inputs(q, k, v, g, beta)
     out = v.new_empty(v.shape)
     for i in range(v.shape[0]):
-        s = s * gs[i][:, None, None]
-        predicted = (ks[i][:, None, :] @ s)[:, 0]  # [Hv, dv]: S^T k
-        delta = (vs[i] - predicted) * bs[i][:, None]
-        s = s + ks[i][:, :, None] * delta[:, None, :]
-        out[i] = (qs[i][:, None, :] @ s)[:, 0]
-    return out, s
+        o, s = gated_delta_step(qs[i : i + 1], ks[i : i + 1], vs[i : i + 1], decay[i : i + 1], bs[i : i + 1], s)
+        out[i] = o[0]
+    return out, s[0]
 
 
 __all__ = [
@@ -150,6 +185,8 @@ __all__ = [
     "causal_conv1d",
     "chunk_bounds",
     "chunk_gated_delta_rule",
+    "gated_delta_step",
     "l2norm",
     "recurrent_gated_delta_rule",
+    "step_inputs",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -83,6 +83,13 @@ class GatedDeltaNet(nn.Module):
     def fuse(self) -> None:
         self.in_proj = FusedLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output [n, conv_dim] as q, k [n, Hk, dk] and v [n, Hv, dv]."""
+        q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), -1)
+        q = q.view(-1, self.num_k_heads, self.head_k_dim)
+        k = k.view(-1, self.num_k_heads, self.head_k_dim)
+        return q, k, v.view(-1, self.num_v_heads, self.head_v_dim)
+
     def forward(self, layer: int, x: torch.Tensor, positions: torch.Tensor, states: RecurrentStates) -> torch.Tensor:
         n, hv = x.shape[0], self.num_v_heads
         if self.in_proj is not None:
@@ -95,15 +102,19 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * exact.softplus(a.float() + self.dt_bias.float())
 
         out = x.new_empty(n, hv, self.head_v_dim)
+        if states.in_place:  # one-token requests, batched, their states stepped in the pool
+            rows = torch.tensor([states.spans[r][0] for r in states.in_place], device=x.device)
+            mixed = exact.silu(states.conv_step(layer, qkv[rows].contiguous(), taps.float()))
+            q, k, v = self._heads(mixed)
+            out[rows] = states.delta_step(layer, *gdn.step_inputs(q, k, v, g[rows], beta[rows])).to(out.dtype)
+        stepped = set(states.in_place)
         for r, (t0, t1) in enumerate(states.spans):
+            if r in stepped:
+                continue
             conv_state, recurrent_state = states.state(layer, r)
             mixed, window = gdn.causal_conv1d(qkv[t0:t1], conv_state, taps)
             conv_state.copy_(window)
-            mixed = exact.silu(mixed)  # [n_r, conv_dim], contiguous
-            q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), -1)
-            q = q.view(-1, self.num_k_heads, self.head_k_dim)
-            k = k.view(-1, self.num_k_heads, self.head_k_dim)
-            v = v.view(-1, hv, self.head_v_dim)
+            q, k, v = self._heads(exact.silu(mixed))  # [n_r, conv_dim], contiguous
             if t1 - t0 == 1:
                 o, s = gdn.recurrent_gated_delta_rule(q, k, v, g[t0:t1], beta[t0:t1], recurrent_state)
             else:  # the chunk grid is anchored at the request's absolute position
@@ -214,6 +225,8 @@ def layer_types(cfg: Mapping[str, Any]) -> list[str]:
 class Qwen3_5ForCausalLM(CausalLM):
     """qwen3_5_text, and the text model of qwen3_5. `layer_windows` is None for every layer (the attention layers
     are full; GDN layers call no AttentionFn); `state_shapes()` gives each GDN layer's (conv, recurrent) shapes."""
+
+    steps_states_in_place: ClassVar[bool] = True
 
     def __init__(self, cfg: Mapping[str, Any]) -> None:
         super().__init__()

@@ -24,6 +24,7 @@ class ReferenceStates:
         self.conv = {layer: torch.zeros(c, dtype=conv_dtype, device=device) for layer, (c, _) in shapes.items()}
         self.ssm = {layer: torch.zeros(s, dtype=ssm_dtype, device=device) for layer, (_, s) in shapes.items()}
         self.spans: list[tuple[int, int]] = []
+        self.in_place: tuple[int, ...] = ()  # every state is a tensor here: no request is stepped in the pool
 
     def for_tokens(self, n: int) -> ReferenceStates:
         self.spans = [(0, n)]

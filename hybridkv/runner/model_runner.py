@@ -12,7 +12,7 @@ from hybridkv.models.base import CausalLM, OutputRows
 from hybridkv.request.batch import ScheduledChunk, SchedulerOutput
 from hybridkv.runner import kernels
 from hybridkv.runner.attention import GroupMetadata, PagedAttention, Tile, Workspace
-from hybridkv.runner.states import PagedStates, check_state_shapes
+from hybridkv.runner.states import PagedStates, check_state_shapes, steps_in_place
 from hybridkv.runner.step_index import QUERY_TILE, IndexPack, StepIndex, run_kind
 
 
@@ -33,8 +33,13 @@ class ModelRunner:
         self.exact = exact_tile is not None
         self.query_tile = exact_tile or QUERY_TILE
         self.layer_group = {layer: plan.group_of(layer).group_id for layer in plan.attention_layers}
+        self.state_kernel: object | None = None  # steps one-token chunks' states in the pool (`states`)
+        # Bundle head -> its pages, row by row as `SchedulerOutput.new_bundles` reports them: [num_blocks, m].
+        self.bundle_pages = torch.zeros(plan.num_blocks, plan.state.num_pages if plan.state else 0, dtype=torch.long)
         if plan.state is not None:
             check_state_shapes(model.state_shapes(), plan.state)
+            if device.type == "cpu" and model.steps_states_in_place and steps_in_place(plan.state):
+                self.state_kernel = kernels.state_step()
         # Decodes read K/V in place when the native kernel is built and the cache holds the model's dtype.
         dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} | {
             v.dtype for v in self.memory.views.values()
@@ -46,7 +51,7 @@ class ModelRunner:
         self.prefill_kernel = kernels.paged_prefill() if bf16 and heads_fit else None
 
     def _metadata(self, step: StepIndex, tables: list[list[list[int]]]) -> list[GroupMetadata | None]:
-        """Per group id; None for a state page group, which no attention layer reads. `tables[r][g]`: request
+        """Per group id; None for the state group, which no attention layer reads. `tables[r][g]`: request
         r's block table in group g."""
         masks: dict[tuple, list[Tile]] = {}  # shared by this step's groups with the same window and spans
         return [
@@ -78,6 +83,9 @@ class ModelRunner:
         def kind(c: ScheduledChunk) -> int:
             return run_kind(len(c.token_ids), self.query_tile, self.exact, decode(c))
 
+        if output.new_bundles:
+            heads = torch.tensor(list(output.new_bundles), dtype=torch.long)
+            self.bundle_pages[heads] = torch.tensor(list(output.new_bundles.values()), dtype=torch.long)
         chunks = sorted(output.chunks, key=kind)
         pack = IndexPack()
         lengths = [len(c.token_ids) for c in chunks]
@@ -103,7 +111,7 @@ class ModelRunner:
         states = None
         if self.plan.state is not None:
             spans = list(itertools.pairwise([0, *ends]))
-            states = PagedStates(self.plan.state, self.memory, chunks, self.plan.block_size, spans)
+            states = PagedStates(self.plan.state, self.memory, self.bundle_pages, chunks, spans, self.state_kernel)
         ids, positions, rows = pack[ids_slot], pack[positions_slot], pack[rows_slot]
         if narrow:
             out_attn = attn

@@ -18,6 +18,7 @@ from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.loader import resolve_dtype
 from hybridkv.models.packed_rows import PackedWeight
 from hybridkv.native import KERNELS_ENV, native_enabled
+from hybridkv.runner.states import steps_in_place
 from hybridkv.units import format_bytes
 from hybridkv.version import __version__
 
@@ -80,6 +81,23 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
+def state_steps(engine: LLMEngine) -> str:
+    """How decode steps reach the recurrent states: in the pool, or gathered copies and why."""
+    if engine.runner.state_kernel is not None:
+        return "in the pool (native kernel; prefill chunks gathered)"
+    if not native_enabled():
+        why = "HYBRIDKV_KERNELS=torch"
+    elif not engine.model.steps_states_in_place:
+        why = "this model's recurrent layers step copies"
+    elif engine.device.type != "cpu":
+        why = "the native kernel is CPU-only"
+    elif not steps_in_place(engine.plan.state):
+        why = "the native kernel takes float32 or bfloat16 states"
+    else:
+        why = "the native kernel did not build: see the log"
+    return f"gathered copies ({why})"
+
+
 def fused_ops_used(model: nn.Module) -> dict[str, int]:
     """How many modules run each fused kernel (`models/fused.py`): RMSNorms and gated MLPs."""
     hooked = [m for m in model.modules() if hasattr(m, "use_fused_ops")]
@@ -91,9 +109,10 @@ def fused_ops_used(model: nn.Module) -> dict[str, int]:
 
 
 def kernel_lines(engine: LLMEngine) -> list[str]:
-    """The attention kernels, then the linears and fused ops the model runs."""
+    """The attention kernels, how decodes step recurrent states, then the linears and fused ops the model runs."""
+    states = [] if engine.plan.state is None else [f"state steps: {state_steps(engine)}"]
     if not native_enabled():
-        return [f"kernels: {KERNELS_ENV}=torch: plain torch"]
+        return [f"kernels: {KERNELS_ENV}=torch: plain torch", *states]
     runner, model = engine.runner, engine.model
     bf16 = resolve_dtype(engine.config.dtype) == torch.bfloat16
     if runner.decode_kernel is not None:
@@ -114,7 +133,7 @@ def kernel_lines(engine: LLMEngine) -> list[str]:
         prefill = "torch (the native kernel needs AVX512-BF16)"
     invariant = runner.exact and engine.plan.state is None  # batch-invariant mode: exact arithmetic, exact steps
     exact = f"; exact steps in per-request tiles of {runner.query_tile} tokens" if runner.exact else ""
-    lines = [f"attention kernels: decode {decode}, prefill {prefill}{exact}"]
+    lines = [f"attention kernels: decode {decode}, prefill {prefill}{exact}", *states]
     readers = linear_readers(model)
     packed = [r for r in readers if isinstance(r, PackedWeight)]
     if invariant:
@@ -149,7 +168,7 @@ def model_line(engine: LLMEngine, served_name: str | None = None) -> str:
 
 def plan_lines(plan: KVPlan) -> list[str]:
     """The KV plan in two or three lines: groups and blocks, the recurrent state if any, the layout."""
-    attention = [g for g in plan.groups if not g.is_state_page]
+    attention = [g for g in plan.groups if not g.is_state]
     kinds = ", ".join(
         f"{g.kind}{f' {g.sliding_window}' if g.sliding_window else ''}: {_n(len(g.layers), 'layer')}" for g in attention
     )
@@ -162,9 +181,9 @@ def plan_lines(plan: KVPlan) -> list[str]:
     if plan.state is not None:
         st = plan.state
         lines.append(
-            f"KV state: {len(st.slots)} recurrent layers, {format_bytes(st.blob_bytes)} per request in "
-            f"{st.num_pages} page groups ({format_bytes(st.bytes_per_request)} with padding); prefills split at "
-            f"multiples of {st.align} tokens"
+            f"KV state: {len(st.slots)} recurrent layers, {format_bytes(st.blob_bytes)} per request, one group "
+            f"(id {st.group}) of {st.num_pages}-page bundles ({format_bytes(st.bytes_per_request)} with padding); "
+            f"prefills split at multiples of {st.align} tokens"
         )
     lines.append(f"KV layout: {plan.layout} ({_n(len(plan.buffer_sizes), 'buffer')})")
     return lines

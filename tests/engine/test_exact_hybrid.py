@@ -7,10 +7,12 @@ that relies on a fast path also checks that the path ran (a hit, a preemption)."
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
-from tests.hybrid_util import GREEDY, alone, assert_same_bits, engine, generate, prompts
+from hybridkv.native import native_enabled
+from tests.hybrid_util import GREEDY, NEW_TOKENS, alone, assert_same_bits, engine, generate, prompts
 
 
 @pytest.mark.parametrize("layout", ["per-layer", "packed"])
@@ -117,3 +119,35 @@ def test_a_model_whose_state_shapes_differ_from_the_plan_is_refused(hybrid_check
     monkeypatch.setattr(type(llm.engine.model), "state_shapes", lambda self: wrong)
     with pytest.raises(ValueError, match=re.escape(f"differ from the KV plan's at layers [{layer}]")):
         ModelRunner(llm.engine.model, llm.engine.plan, llm.engine.device)
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "packed"])
+def test_states_stepped_in_the_pool_equal_states_stepped_in_copies(hybrid_checkpoint, hybrid_reference, layout):
+    """Qwen3.5's decode steps read and write each request's recurrent state where it lives in the pool (the native
+    kernel), including the copy-on-write to fresh pages at a block end; with every state gathered into a copy and
+    written back instead (the torch path), the same requests give the same bits."""
+    llm = engine(hybrid_checkpoint, kv_layout=layout, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    if not runner.model.steps_states_in_place or not native_enabled():
+        assert runner.state_kernel is None
+        pytest.skip("gathered copies only: this model's recurrent layers, or HYBRIDKV_KERNELS=torch")
+    assert runner.state_kernel is not None, "the native state-step kernel did not build (see the log)"
+    stepped, moved = [], []
+    module = runner.state_kernel
+    step = module.delta_step
+
+    def counting(*args):
+        src, dst = args[5], args[6]
+        stepped.append(src.shape[0])
+        moved.append(int((src != dst).any(1).sum()))
+        return step(*args)
+
+    runner.state_kernel = SimpleNamespace(delta_step=counting, conv_step=module.conv_step)
+    in_pool = generate(llm, prompts())
+    assert sum(stepped) >= len(prompts()) * (NEW_TOKENS - 1), "decodes did not run in the pool"
+    assert sum(moved) > 0, "no decode crossed a block end in the pool (the copy-on-write went untested)"
+    assert_same_bits(in_pool, hybrid_reference)
+
+    copies = engine(hybrid_checkpoint, kv_layout=layout, enable_prefix_caching=False)
+    copies.engine.runner.state_kernel = None
+    assert_same_bits(generate(copies, prompts()), in_pool)

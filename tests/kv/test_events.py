@@ -115,7 +115,7 @@ def test_no_log_no_records():
     assert c.events is None
 
 
-def test_state_page_groups_log_their_checkpoints():
+def test_the_state_group_logs_one_record_per_checkpoint_whatever_its_pages():
     spec = RecurrentStateSpec(dtype=torch.float32, block_size=BS, mixer="gated_deltanet", conv_shape=(3, 64),
                               ssm_shape=(2, 16, 16), ssm_dtype=torch.float32, chunk_size=16)  # fmt: skip
     p = plan(ModelKV("test", (full(), spec, spec, spec), {}), P * 64, max_model_len=256, max_num_batched_tokens=128)
@@ -126,9 +126,10 @@ def test_state_page_groups_log_their_checkpoints():
     events = c.events.drain()
     by_group = {e.group_id: e for e in events}
     assert by_group[0].block_hashes == tuple(hashes)
-    for g in p.state.page_groups:
-        assert by_group[g].block_hashes == (hashes[3],) and by_group[g].parent_block_hash == hashes[2]
-        assert by_group[g].token_ids == tuple(toks[48:64])
+    g = p.state.group
+    assert p.state.num_pages == 3 and len(events) == 2  # one record for group 0, one for the 3-page state entry
+    assert by_group[g].block_hashes == (hashes[3],) and by_group[g].parent_block_hash == hashes[2]
+    assert by_group[g].token_ids == tuple(toks[48:64])
     assert replay(events) == pool_set(c)
 
 

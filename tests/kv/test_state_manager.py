@@ -1,5 +1,5 @@
-"""State page groups through the coordinator: which entries a request holds, what is published as a checkpoint,
-and which hits resume (only where every page group holds the checkpoint)."""
+"""The state group through the coordinator: which entries a request holds (each a bundle of the state's pages),
+what is published as a checkpoint, and which hits resume."""
 
 import random
 
@@ -23,7 +23,7 @@ def coordinator(blocks: int = 64) -> KVCacheCoordinator:
     m = ModelKV("test", (full(), state(), state(), state()), {})
     p = plan(m, P * blocks, max_model_len=256, max_num_batched_tokens=128)
     assert p.num_blocks == blocks and p.bytes_per_block == P
-    assert p.state.num_pages == 3 and p.state.page_groups == (1, 2, 3)
+    assert p.state.num_pages == 3 and p.state.group == 1 and len(p.groups) == 2
     return KVCacheCoordinator(p)
 
 
@@ -32,12 +32,17 @@ def tokens(n: int, seed: int = 0) -> list[int]:
 
 
 def state_tables(c: KVCacheCoordinator, rid: str) -> list[list[int]]:
-    return c.block_ids(rid)[1:]
+    """The state group's table, and the same table per page (page j of each entry's bundle; 0 stays 0): the
+    view the per-page groups of earlier versions had, so the table rules read the same for every page."""
+    table = c.block_ids(rid)[1]
+    for b in table:
+        assert b == 0 or len(c.pages(b)) == 3, f"entry {b} is not a bundle of 3 pages"
+    return [[c.pages(b)[j] if b else 0 for b in table] for j in range(3)]
 
 
 def cached_state_entries(c: KVCacheCoordinator, hashes) -> list[set[int]]:
-    """Per page group, the entries published under the request's hashes."""
-    return [{e for e, h in enumerate(hashes) if c.pool.get_cached_block(h, g) is not None} for g in (1, 2, 3)]
+    """The entries published under the request's hashes (once per page, as the table view above)."""
+    return [{e for e, h in enumerate(hashes) if c.pool.get_cached_block(h, 1) is not None}] * 3
 
 
 def step(c: KVCacheCoordinator, rid: str, hashes, computed: int, n: int) -> None:
@@ -70,9 +75,10 @@ def test_prefill_then_decode_holds_the_live_entries_and_publishes_the_checkpoint
     assert cached_state_entries(c, hashes) == [{6}] * 3
     c.check_integrity()
     assert c.allocate("a", 114, 113)  # one step later the old live entry goes (still cached)
-    for t, old in zip(state_tables(c, "a"), live, strict=True):
+    for t in state_tables(c, "a"):
         assert t[:7] == [0] * 7 and t[7] != 0
-        assert c.pool.blocks[old].ref_cnt == 0 and c.pool.blocks[old].key is not None
+    head = c.pool.blocks[live[0]]  # the bundle's head (its lowest page) is what is referenced and cached
+    assert head.ref_cnt == 0 and head.key is not None and head.pages == tuple(live)
     c.check_integrity()
     c.free("a")
     c.check_integrity()
@@ -87,7 +93,7 @@ def test_a_long_chunk_takes_one_state_and_the_prediction_agrees():
     need = sum(m.num_blocks_to_allocate("a", 200, h, 0) for m, h in zip(c.managers, hit.blocks, strict=True))
     free = c.pool.num_free_blocks
     assert c.allocate("a", 200, 0)
-    assert need == free - c.pool.num_free_blocks == 13 + 3  # 13 attention blocks, one block per page group
+    assert need == free - c.pool.num_free_blocks == 13 + 3  # 13 attention blocks, one bundle of 3 pages
     assert all(sum(b != 0 for b in t) == 1 for t in state_tables(c, "a"))
     c.cache_blocks("a", hashes, 200)
     assert cached_state_entries(c, hashes) == [set()] * 3  # 200 is no block end
@@ -113,28 +119,34 @@ def checkpoint_at_112(c: KVCacheCoordinator, hashes) -> None:
     c.free("a")
 
 
-def test_a_hit_resumes_at_the_checkpoint_every_page_group_holds():
+def test_a_hit_resumes_at_the_checkpoint_and_reuses_its_whole_bundle():
     c = coordinator()
     hashes = hash_blocks(tokens(160), BS)
     checkpoint_at_112(c, hashes)
     hit = c.find_cached_prefix(hashes, 160)
     assert hit.num_tokens == 112
-    for blocks in hit.blocks[1:]:  # only the state after 112 tokens is read: entry 6
-        assert [b.block_id != 0 for b in blocks] == [False] * 6 + [True]
+    (blocks,) = hit.blocks[1:]  # only the state after 112 tokens is read: entry 6
+    assert [b.block_id != 0 for b in blocks] == [False] * 6 + [True]
+    pages = c.pages(blocks[6].block_id)
     assert c.allocate("b", 140, 112, hit)
-    for t, blocks in zip(state_tables(c, "b"), hit.blocks[1:], strict=True):
-        assert t[6] == blocks[6].block_id and [e for e, b in enumerate(t) if b] == [6, 8]
+    for j, t in enumerate(state_tables(c, "b")):
+        assert t[6] == pages[j] and [e for e, b in enumerate(t) if b] == [6, 8]
     c.check_integrity()
     c.free("b")
     c.check_integrity()
 
 
-def test_no_hit_when_one_page_group_lost_the_checkpoint():
-    c = coordinator()
+def test_an_evicted_checkpoint_frees_its_whole_bundle_and_misses():
+    c = coordinator(blocks=24)
     hashes = hash_blocks(tokens(160), BS)
     checkpoint_at_112(c, hashes)
-    block = c.pool.get_cached_block(hashes[6], 2)
-    c.pool._evict(block)  # what reuse of that free block would do: page 1 of the checkpoint is gone
+    head = c.pool.get_cached_block(hashes[6], 1)
+    assert head is not None and head.ref_cnt == 0 and len(head.pages) == 3
+    assert c.pool.num_free_blocks == 23  # the cached bundle is evictable: its tails count as free
+    taken = c.pool.get_new_blocks(23)  # reuse takes every block: the head is evicted, its tails follow it
+    assert c.pool.get_cached_block(hashes[6], 1) is None and head.pages is None
+    assert {b.block_id for b in taken} == set(range(1, 24))
+    c.pool.free_blocks(taken)
     c.check_integrity()
     assert c.find_cached_prefix(hashes, 160).num_tokens == 0
 
@@ -156,7 +168,7 @@ def test_a_finished_request_frees_its_shallower_checkpoints_to_be_evicted_first(
     step(c, "a", hashes, 0, 32)
     c.remove_skipped_blocks("a", 32)
     step(c, "a", hashes, 32, 32)  # the request ends here, holding both: the old live entry and the new one
-    held = [c.pool.get_cached_block(hashes[e], 1) for e in (1, 3)]  # page 0 of the checkpoints at 32 and 64
+    held = [c.pool.get_cached_block(hashes[e], 1) for e in (1, 3)]  # the checkpoints at 32 and 64
     assert all(b is not None for b in held)
     c.free("a")
     order = [b.block_id for b in c.pool.free_queue]

@@ -28,9 +28,9 @@ def test_pages_round_trip_and_alias_the_attention_pages(layout):
     # Offset order: layer 1's page of block 2 is bytes [P, 2P) of the block, whatever the layout.
     layer1 = mem.layer_view(1)[2].contiguous().view(torch.uint8).flatten()
     assert torch.equal(layer1, data[1, P:])
-    spans = p.block_spans(p.state.page_groups[0], 2)
+    spans = p.block_spans(p.state.group, 2)
     assert sum(length for _, _, length in spans) == p.bytes_per_block
-    assert p.descriptors_per_block(p.state.page_groups[0]) == len(p.buffer_sizes)
+    assert p.descriptors_per_block(p.state.group) == len(p.buffer_sizes)
 
 
 def test_write_pages_refuses_a_wrong_shape():

@@ -113,12 +113,12 @@ def test_plan_keeps_the_block_size_and_cuts_the_state_into_pages(name):
     st = p.state
     blob = sum(s.state_bytes for _, s in states(m))
     assert st.blob_bytes == blob and st.page_bytes == p.bytes_per_block
-    assert st.num_pages == cdiv(blob, p.bytes_per_block) == len(st.page_groups)
+    assert st.num_pages == cdiv(blob, p.bytes_per_block) == p.groups[st.group].pages_per_entry
     assert st.padding_bytes == st.num_pages * p.bytes_per_block - blob < p.bytes_per_block
-    assert st.page_groups == tuple(range(len(p.groups) - st.num_pages, len(p.groups)))
+    assert st.group == len(p.groups) - 1  # one state group, after the attention groups
     assert st.layers == tuple(i for i, _ in states(m))
     assert sorted(p.attention_layers + st.layers + tuple(m.stateless)) == list(range(m.num_layers))
-    attention = [g for g in p.groups if not g.is_state_page]
+    attention = [g for g in p.groups if not g.is_state]
     assert p.bytes_per_block == max(g.used_bytes_per_block for g in attention)  # S from the attention layers
     held = sum(g.spec.blocks_held(8192) for g in attention)
     assert p.blocks_per_request == held + st.num_pages  # one live state: m pages
@@ -127,7 +127,7 @@ def test_plan_keeps_the_block_size_and_cuts_the_state_into_pages(name):
     assert p.max_concurrency == pytest.approx((p.num_blocks - 1 - reserve) / (held + st.num_pages))
     assert st.align == {"qwen3.5-0.8b": 64, "qwen3-next-80b-a3b": 64, "nemotron-h-8b": 128}.get(name, 256)
     d = p.to_dict()["state"]
-    assert d["num_pages"] == st.num_pages and d["page_groups"] == [st.page_groups[0], st.page_groups[-1]]
+    assert d["num_pages"] == st.num_pages and d["group"] == st.group
 
 
 def test_plan_counts_the_state_pages_at_every_block_bytes_candidate():

@@ -45,6 +45,7 @@ class Batch:
     def __init__(self, seqs: list[Sequence], lengths: list[int]) -> None:
         ends = torch.tensor(lengths).cumsum(0).tolist()
         self.seqs, self.spans = seqs, list(zip([0, *ends[:-1]], ends))
+        self.in_place = ()
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
         return torch.cat([s.attn(layer, q[a:b], kv[a:b], scale) for s, (a, b) in zip(self.seqs, self.spans)])

@@ -108,6 +108,7 @@ class Batch:
 
     def __init__(self, seqs: list[Sequence]) -> None:
         self.seqs, self.spans = seqs, []
+        self.in_place = ()
 
     def attn(self, layer, q, kv, scale):
         return torch.cat([s.attn(layer, q[a:b], kv[a:b], scale) for s, (a, b) in zip(self.seqs, self.spans)])

@@ -145,8 +145,8 @@ def test_a_state_page_pairs_byte_for_byte_across_layouts(mine, theirs):
     here, there = placement(local_plan, 1 << 40), placement(remote_plan, 1 << 44)
     s = local_plan.bytes_per_block
     assert here.tiles(s, local_plan.num_blocks, 8) and there.tiles(s, remote_plan.num_blocks, 8)
-    page_group = local_plan.state.page_groups[0]
-    d = pair_descriptors(local_plan, here, there, [(page_group, 3, 7)])
+    state_group = local_plan.state.group
+    d = pair_descriptors(local_plan, here, there, [(state_group, 3, 7)])
     assert d.nbytes == s
     if mine == theirs == "packed":
         assert d.count == 1  # one descriptor per state page

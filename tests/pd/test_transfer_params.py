@@ -40,7 +40,7 @@ def issued(**changes) -> RemotePrefill:
 
 def test_issued_params_round_trip_and_verify():
     params = issued()
-    assert set(params.to_json()) == PREFILL_KEYS
+    assert set(params.to_json()) == PREFILL_KEYS - {"remote_state_pages"}  # only a recurrent-state model's
     again = parse_transfer_params(params.to_json(), LIMITS)
     assert again == params and again.signature_ok(KEYS.params) and not again.expired()
     assert not again.signature_ok(MeshKeys.derive(b"another secret, 16+ bytes").params)
@@ -181,3 +181,44 @@ def test_hex_fields_take_no_trailing_newline_or_whitespace():
                 parse_transfer_params(params | {field: params[field] + suffix}, LIMITS)
     with pytest.raises(ValueError, match="signature: malformed"):
         parse_transfer_params(params | {"signature": params["signature"].upper()}, LIMITS)
+
+
+STATE_LIMITS = ParamLimits(num_groups=2, max_blocks=33, max_tokens=512, state_pages=4)
+
+
+def test_state_pages_travel_as_runs_and_are_signed():
+    params = issued(block_ids=((1, 2, 3), (0, 9, 20)), state_pages=((9, 10, 11, 12), (20, 21, 40, 41)))
+    wire = params.to_json()
+    assert wire["remote_state_pages"] == [[[9, 4]], [[20, 2], [40, 2]]]  # ranges, not one id per page
+    again = parse_transfer_params(wire, STATE_LIMITS)
+    assert again == params and again.signature_ok(KEYS.params)
+    forged = parse_transfer_params(wire | {"remote_state_pages": [[[9, 4]], [[20, 2], [50, 2]]]}, STATE_LIMITS)
+    assert not forged.signature_ok(KEYS.params)  # pointing a page elsewhere breaks the signature
+
+
+@pytest.mark.parametrize(
+    "pages",
+    [
+        [[[9, 3]]],  # too few pages for this instance's state entry
+        [[[9, 5]]],  # too many
+        [[[9, 2], [10, 2]]],  # a page twice
+        [[[0, 4]]],  # the null block
+        [[[2**31 - 2, 4]]],  # past the id range
+        [[[9, -1], [9, 5]]],  # a negative count
+        [[[9, True], [10, 3]]],  # a bool is no count
+        [[9, 10, 11, 12]],  # ids, not runs
+        [],  # no entry at all
+        "9-12",
+        [[[9.0, 4]]],
+    ],
+)
+def test_bad_state_pages_are_refused_by_name(pages):
+    wire = issued(block_ids=((1, 2, 3), (0, 9, 0))).to_json() | {"remote_state_pages": pages}
+    with pytest.raises(ValueError, match="remote_state_pages"):
+        parse_transfer_params(wire, STATE_LIMITS)
+
+
+def test_state_pages_sent_to_an_instance_without_state_are_refused():
+    wire = issued().to_json() | {"remote_state_pages": [[[9, 4]]]}
+    with pytest.raises(ValueError, match="remote_state_pages"):
+        parse_transfer_params(wire, LIMITS)

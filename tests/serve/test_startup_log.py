@@ -111,14 +111,17 @@ def test_plain_torch_and_recurrent_state(monkeypatch):
     st = engine.plan.state
     (state,) = [line for line in lines if line.startswith("KV state:")]
     assert state.startswith(
-        f"KV state: {len(st.slots)} recurrent layers, {format_bytes(st.blob_bytes)} per request in {st.num_pages} "
-        f"page groups ({format_bytes(st.bytes_per_request)} with padding); prefills split at multiples of {st.align}"
+        f"KV state: {len(st.slots)} recurrent layers, {format_bytes(st.blob_bytes)} per request, one group "
+        f"(id {st.group}) of {st.num_pages}-page bundles ({format_bytes(st.bytes_per_request)} with padding); "
+        f"prefills split at multiples of {st.align}"
     )
-    assert "(qwen3_5_text, float32, 4 layers" in lines[3] and lines[-1] == "connectors: none"
+    assert "state steps: gathered copies (HYBRIDKV_KERNELS=torch)" in lines
+    assert "(qwen3_5_text, float32, 4 layers" in lines[4] and lines[-1] == "connectors: none"
     monkeypatch.setenv("HYBRIDKV_KERNELS", "native")
     native = startup_lines(LLMEngine(EngineConfig(model=str(GDN_MODEL), kv_cache_memory="16MiB")))
     assert native[2].endswith(f"; exact steps in per-request tiles of {st.align} tokens")
-    assert native[3] == "linears: plain torch (the model keeps plain matmuls)"
+    assert native[3] == "state steps: in the pool (native kernel; prefill chunks gathered)"
+    assert native[4] == "linears: plain torch (the model keeps plain matmuls)"
 
 
 def test_a_server_logs_each_line_before_it_is_healthy(tiny_gemma4):

@@ -4,7 +4,8 @@ deliberate recurrent-state bugs cost it at least 0.3 of accuracy each.
 Every run submits its N prompts as one batch (greedy, float32), so steps hold several requests: a bug that mixes
 requests' states shows. The bugs are injected by monkeypatching, never by editing the engine:
   wrong-state  `PagedStates.state(layer, r)` hands request r the state of request (r + 1) % R (its own views,
-               filled with the other's state from before the step);
+               filled with the other's state from before the step), and requests stepped in the pool read the
+               next one's source entry;
   stale-state  the scheduler's chunk that computes the last prompt token gets keep_state=False although the answer
                follows, so every answer token reads a state that misses that token's update.
 """
@@ -53,7 +54,8 @@ def test_scores_at_least_0_98(baseline):
 
 
 def test_a_state_from_the_wrong_request_fails(baseline, monkeypatch):
-    """Request r computes from the state request (r + 1) % R had before the step, and stores the result as its own.
+    """Request r computes from the state the next request (of its kind: gathered or in the pool) had before the
+    step, and stores the result as its own.
     (Handing out the other row's views themselves would swap the rows back at write-back: a request would go on
     reading its own history whenever the step's order stays the same.)"""
     state = states.PagedStates.state
@@ -64,15 +66,27 @@ def test_a_state_from_the_wrong_request_fails(baseline, monkeypatch):
             self.before = self.blobs.clone()
         own = state(self, layer, r)
         now, self.blobs = self.blobs, self.before
-        other = state(self, layer, (r + 1) % len(self.spans))
+        gathered = sorted(self._row)
+        other = state(self, layer, gathered[(gathered.index(r) + 1) % len(gathered)])
         self.blobs = now
         for view, value in zip(own, other):
             view.copy_(value)
-        mixed.append(len(self.spans) > 1)
+        mixed.append(len(gathered) > 1)
         return own
 
+    init = states.PagedStates.__init__
+
+    def wrong_sources(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if len(self.in_place) > 1:
+            self._src = self._src.roll(1, 0)
+            in_pool.append(len(self.in_place))
+
+    in_pool = []
     monkeypatch.setattr(states.PagedStates, "state", wrong)
+    monkeypatch.setattr(states.PagedStates, "__init__", wrong_sources)
     acc = accuracy()
+    assert in_pool, "no step stepped two requests in the pool: that path went uninjected"
     assert any(mixed), "no step held two requests: the injection did nothing"
     assert acc <= baseline - 0.3, (baseline, acc)
 

@@ -7,6 +7,11 @@ touches device blocks. Loads run on a loader thread into blocks the scheduler al
 reports them: CPU slot -> device, or disk -> CPU slot -> device. Sliding-window groups store the blocks a request
 held and load only the window before the resume point; full-attention groups load every block. A corrupt disk
 entry fails the load and the request is recomputed (the blocks read before it stay cached in the CPU tier).
+
+A recurrent-state entry (a bundle of m pages, `state_plan`) is stored as m entries of one page each, keyed by
+*unit*: page j of state group G is unit G + j (G + j >= the number of groups for j > 0, so units never collide
+with groups; the same keys the per-page groups of earlier versions used). Lookups ask for all m units; KV
+events report unit G alone, as the group's entry.
 """
 
 from __future__ import annotations
@@ -71,6 +76,10 @@ class OffloadingConnector(KVConnector):
                 options.disk_path, compat, options.disk_bytes, options.eviction, slot_bytes, keys=self.keys
             )
         specs = [g.spec for g in plan.groups]
+        self.state_group = plan.state.group if plan.state is not None else None
+        if plan.state is not None:  # units G + 1 .. G + m - 1: a state entry's later pages, same table rules
+            specs += [plan.groups[plan.state.group].spec] * (plan.state.num_pages - 1)
+        self.cpu.event_units = len(plan.groups)
         self.store = TieredStore(self.cpu, self.disk, specs, self.copier, self.stats)
         # A thread each: loads never wait behind disk writes. Idle threads hold no reference to this object.
         self.loader = Loader(self.store, self.copier, self.stats, memory.device, lambda: self._wake())
@@ -93,8 +102,9 @@ class OffloadingConnector(KVConnector):
 
     def kv_event_tiers(self) -> dict[str, dict[int, list[BlockHash]]]:
         out: dict[int, list[BlockHash]] = {}
-        for block_hash, group in self.cpu.ready_keys():
-            out.setdefault(group, []).append(block_hash)
+        for block_hash, unit in self.cpu.ready_keys():
+            if unit < len(self.plan.groups):  # a state entry's later pages are reported through its first
+                out.setdefault(unit, []).append(block_hash)
         return {MEDIUM_CPU: out}
 
     def _meta(self, req: Request, i: int) -> EntryMeta | None:
@@ -104,6 +114,12 @@ class OffloadingConnector(KVConnector):
         bs = self.block_size
         parent = req.block_hashes[i - 1] if i > 0 else None
         return parent, tuple(req.all_token_ids[i * bs : (i + 1) * bs]), bs
+
+    def _units(self, group: int, block_id: int) -> list[tuple[int, int]]:
+        """(unit, block id) of each page table entry `block_id` of `group` stands for (see the module docstring)."""
+        if group != self.state_group:
+            return [(group, block_id)]
+        return [(group + j, page) for j, page in enumerate(self.pages(block_id))]
 
     # ---- lookups -------------------------------------------------------------------------------------------
     def num_external_tokens(self, req: Request, num_local_tokens: int) -> int:
@@ -126,10 +142,11 @@ class OffloadingConnector(KVConnector):
         first = num_local_tokens // self.block_size
         end = (num_local_tokens + req.num_external_tokens) // self.block_size
         items = [
-            LoadItem(g, table[i], (req.block_hashes[i], g), meta=self._meta(req, i))
+            LoadItem(g, page, (req.block_hashes[i], unit), meta=self._meta(req, i) if unit == g else None)
             for g, table in enumerate(block_ids)
             for i in range(first, end)
             if table[i] != 0  # the null block: no token after the resume point reads this entry
+            for unit, page in self._units(g, table[i])
         ]
         self.loader.start(req.request_id, items)
 
@@ -169,13 +186,14 @@ class OffloadingConnector(KVConnector):
             for g, table in enumerate(block_ids):
                 if i >= len(table) or table[i] == 0:
                     continue  # a sliding window let this block go
-                key = (req.block_hashes[i], g)
-                slot = self.store.prepare_store(key, self._meta(req, i))
-                if slot is None:
-                    continue
-                copies += self.copier.to_slot(g, table[i], self.cpu.slot(slot))
-                nbytes, blocks = nbytes + self.copier.payload_bytes(g), blocks + 1
-                stored.append((key, slot))
+                for unit, page in self._units(g, table[i]):
+                    key = (req.block_hashes[i], unit)
+                    slot = self.store.prepare_store(key, self._meta(req, i) if unit == g else None)
+                    if slot is None:
+                        continue
+                    copies += self.copier.to_slot(g, page, self.cpu.slot(slot))
+                    nbytes, blocks = nbytes + self.copier.payload_bytes(g), blocks + 1
+                    stored.append((key, slot))
         if not blocks:
             return
         if self._cuda:

@@ -4,7 +4,8 @@ A block of group g is the pages of g's layers, in the group's layer order; in a 
 (`payload_bytes(g)` = the group's used bytes per block). Whatever the layout, the same block gives the same
 payload, so a tier written under one layout serves the other. The spans come from `KVPlan.block_spans`:
 packed gives one span per block (one copy moves every layer), per-layer one per region. KV-sharing consumers
-own no pages and never appear.
+own no pages and never appear. Group ids index the copier; so do the offload units of a recurrent-state entry's
+later pages (G + 1 .. G + m - 1, one page each, copied as a page of the state group G).
 
 `from_rows` moves many blocks at once: blocks and rows that advance in constant steps (a request's blocks are
 mostly consecutive, and its slots were allocated in order) form a run, and a run moves in one strided copy per
@@ -36,6 +37,8 @@ class BlockCopier:
         self.buffers = memory.buffers
         self.non_blocking = memory.device.type == "cuda"
         self.spans: list[tuple[Span, ...]] = [self._spans(plan, g.group_id) for g in plan.groups]
+        if plan.state is not None:  # offload units G + 1 .. G + m - 1: a state entry's later pages, copied alike
+            self.spans += [self.spans[plan.state.group]] * (plan.state.num_pages - 1)
 
     @staticmethod
     def _spans(plan: KVPlan, group_id: int) -> tuple[Span, ...]:

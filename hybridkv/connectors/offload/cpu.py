@@ -48,7 +48,8 @@ class CpuTier:
         self._policy = make_policy(eviction, self.num_slots)
         self._lock = threading.Lock()
         self.evictions = 0
-        self.events: KVEventLog | None = None  # KV events of this tier (medium "CPU"); keys are (hash, group)
+        self.events: KVEventLog | None = None  # KV events of this tier (medium "CPU"); keys are (hash, unit)
+        self.event_units = 1 << 62  # keys of units >= this (a state entry's later pages) log no events
 
     @property
     def capacity_bytes(self) -> int:
@@ -92,7 +93,7 @@ class CpuTier:
                     return None
                 self._free.append(self._entries.pop(victim).slot)
                 self.evictions += 1
-                if self.events is not None:
+                if self.events is not None and victim[1] < self.event_units:
                     self.events.removed(*victim, medium=MEDIUM_CPU)
             slot = self._free.pop()
             entry = _Entry(slot, ready, pins=int(pin) + int(not ready), meta=meta)
@@ -104,7 +105,7 @@ class CpuTier:
 
     def _log_stored(self, key: Hashable, entry: _Entry) -> None:
         """Log a newly ready entry (lock held, so records follow the order entries change)."""
-        if self.events is not None:
+        if self.events is not None and key[1] < self.event_units:
             parent, tokens, block_size = entry.meta or (None, (), 0)
             self.events.append(BlockStored((key[0],), parent, tokens, block_size, key[1], MEDIUM_CPU))
         entry.meta = None

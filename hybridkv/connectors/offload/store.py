@@ -139,8 +139,8 @@ class TieredStore:
     def _write(self, key: Key, slot: int) -> None:
         """On the writer thread: the CPU entry (pinned until now) goes to disk."""
         assert self.disk is not None
-        n = self.copier.payload_bytes(key[1])
         try:
+            n = self.copier.payload_bytes(key[1])
             t0 = time.perf_counter()
             if self.disk.write(key, memoryview(self.cpu.slot(slot).numpy())[:n]):
                 self.stats.transfer("cpu_to_disk", n, time.perf_counter() - t0, 1, 1)

@@ -110,7 +110,9 @@ class NixlConnector(KVConnector):
 
     def register(self, plan: KVPlan, memory: KVCacheMemory) -> None:
         self.plan = plan
-        self.limits = ParamLimits(len(plan.groups), -(-plan.max_model_len // plan.block_size) + 1, plan.max_model_len)
+        max_blocks = -(-plan.max_model_len // plan.block_size) + 1
+        pages = plan.state.num_pages if plan.state is not None else 0
+        self.limits = ParamLimits(len(plan.groups), max_blocks, plan.max_model_len, pages)
         self.compat = compat_hash(plan, self.identity.model_fingerprint, self.identity.dtype)
         self.transport = NixlTransport(f"hybridkv-{self.identity.engine_id}", self.backends, self.host)
         self.transport.register(memory.buffers)
@@ -119,7 +121,7 @@ class NixlConnector(KVConnector):
         self.port = self.server.port
         io = PeerIO(lambda: self._wake(), self.keys, self.lease_s / 3)  # through the attribute: set_waker replaces it
         handshake = HandshakeRequest(self.compat, self.identity.engine_id)
-        self.reader = NixlReader(plan, self.transport, self.placement, handshake, io, self.timeout_s)
+        self.reader = NixlReader(plan, self.transport, self.placement, handshake, io, self.timeout_s, self.pages)
         secret = "mesh secret set" if self.keys.authenticated else "no mesh secret"
         logger.info("NixlConnector %s: side channel %s:%d, layout %s, %s", self.identity.engine_id, self.host,
                     self.port, plan.layout, secret)  # fmt: skip
@@ -189,7 +191,7 @@ class NixlConnector(KVConnector):
                            "needs max_tokens 1 (got %d); its decoder computes the prompt", req.request_id,
                            req.params.max_tokens)  # fmt: skip
             return False, None
-        held = sum(b != 0 for g in block_ids for b in g)
+        held = sum((b != 0) * g.pages_per_entry for g, table in zip(self.plan.groups, block_ids) for b in table)
         if self.leases.blocks + held > MAX_LEASED_FRACTION * self.plan.num_blocks:
             self.leases_refused += 1
             logger.warning("request %s: not leased, leases already hold %d of %d blocks; its decoder computes the "
@@ -203,12 +205,19 @@ class NixlConnector(KVConnector):
             request_id=req.request_id,
             lease_id=lease_id,
             block_ids=tuple(tuple(g) for g in block_ids),
+            state_pages=self._state_pages(block_ids),
             num_tokens=req.num_prompt_tokens,
             prompt_hash=prompt_hash(req.prompt_token_ids),
             expires_at=int(time.time() + self.lease_s) + 1,
         ).signed(self.keys.params)
         self.leases.grant(lease_id, req.request_id, params.signature, held)
         return True, params.to_json()
+
+    def _state_pages(self, block_ids: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+        """The pages of each state entry the tables hold (what a decoder reads where the tables name a bundle)."""
+        if self.plan.state is None:
+            return ()
+        return tuple(self.pages(b) for b in block_ids[self.plan.state.group] if b != 0)
 
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         """An authenticated side-channel request (on its connection's thread)."""

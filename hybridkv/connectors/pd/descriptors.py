@@ -104,8 +104,9 @@ def pair_descriptors(
     local_device: int = 0,
     remote_device: int = 0,
 ) -> Descriptors:
-    """`moves`: (group id, local block id, remote block id). Pages pair in group layer order; adjacent pairs merge
-    while both sides are contiguous."""
+    """`moves`: (group id, local block id, remote block id); for the state group, one page of a bundle on each
+    side (the reader expands bundles). Pages pair in group layer order; adjacent pairs merge while both sides
+    are contiguous."""
     runs: list[list[int]] = []  # [local address, remote address, length]
 
     def add(la: int, ra: int, length: int) -> None:
@@ -117,7 +118,7 @@ def pair_descriptors(
 
     for group_id, local_block, remote_block in moves:
         group = plan.groups[group_id]
-        if group.is_state_page:  # the block's S bytes, cut where either side's regions are cut
+        if group.is_state:  # one page: the block's S bytes, cut where either side's regions are cut
             offset = 0
             while offset < plan.bytes_per_block:
                 la, local_left = local.address(local_block, offset)

@@ -33,11 +33,13 @@ _UNSET_ON_PREFILL = ("do_remote_prefill", "remote_engine_id", "remote_block_ids"
 
 @dataclass(frozen=True)
 class ParamLimits:
-    """What this instance can take: its KV groups and the most blocks a request of max_model_len holds."""
+    """What this instance can take: its KV groups, the most blocks a request of max_model_len holds, and the
+    pages of one recurrent-state entry (0: no state group)."""
 
     num_groups: int
     max_blocks: int
     max_tokens: int
+    state_pages: int = 0
 
 
 MAX_BATCH = 1024
@@ -108,6 +110,7 @@ def _remote_prefill(raw: Mapping[str, Any], limits: ParamLimits) -> RemotePrefil
         prompt_hash=_text(raw, "prompt_hash", _HEX64),
         expires_at=_int(raw, "expires_at", 0, 1 << 40),
         signature=_text(raw, "signature", _HEX64),
+        state_pages=_state_pages(raw, limits),
     )
 
 
@@ -153,6 +156,31 @@ def _block_ids(raw: Mapping[str, Any], limits: ParamLimits) -> tuple[tuple[int, 
             if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BLOCK_ID:
                 raise ValueError(f"kv_transfer_params.remote_block_ids[{g}]: ids must be integers in [0, 2**31)")
         out.append(tuple(ids))
+    return tuple(out)
+
+
+def _state_pages(raw: Mapping[str, Any], limits: ParamLimits) -> tuple[tuple[int, ...], ...]:
+    """`remote_state_pages`: per state entry, runs [first, count] that expand to exactly `limits.state_pages`
+    distinct ids. Absent is () (a plan without state; the reader checks it against the tables)."""
+    key = "kv_transfer_params.remote_state_pages"
+    if "remote_state_pages" not in raw:
+        return ()
+    value, m = raw["remote_state_pages"], limits.state_pages
+    if not m or not isinstance(value, list) or not 0 < len(value) <= limits.max_blocks:
+        raise ValueError(f"{key}: a list of at most {limits.max_blocks} entries, only for a recurrent-state model")
+    out = []
+    for e, runs in enumerate(value):
+        if not isinstance(runs, list) or not 0 < len(runs) <= m:
+            raise ValueError(f"{key}[{e}]: a list of at most {m} runs [first id, count]")
+        pages: list[int] = []
+        for run in runs:
+            ok = isinstance(run, list) and len(run) == 2 and all(type(v) is int for v in run)
+            if not ok or not 0 < run[1] <= m - len(pages) or not 0 < run[0] <= MAX_BLOCK_ID - run[1]:
+                raise ValueError(f"{key}[{e}]: runs are [first id, count] of ids in [1, 2**31), {m} ids in all")
+            pages.extend(range(run[0], run[0] + run[1]))
+        if len(pages) != m or len(set(pages)) != m:
+            raise ValueError(f"{key}[{e}]: must name {m} distinct pages (this instance's state entry)")
+        out.append(tuple(pages))
     return tuple(out)
 
 

@@ -63,10 +63,15 @@ class RemotePrefill:
     prompt_hash: str
     expires_at: int  # wall-clock seconds: the lease ends by then unless a reader renews it
     signature: str = ""
+    # For a plan with a state group: the pages of each state entry the table holds (nonzero entries of
+    # block_ids[state group], in entry order). On the wire as runs [first id, count] (`page_runs`).
+    state_pages: tuple[tuple[int, ...], ...] = ()
 
     def signed_bytes(self) -> bytes:
         fields = [self.engine_id, self.host, self.port, self.request_id, self.lease_id,
                   [list(g) for g in self.block_ids], self.num_tokens, self.prompt_hash, self.expires_at]  # fmt: skip
+        if self.state_pages:
+            fields.append([page_runs(p) for p in self.state_pages])
         return json.dumps(fields, separators=(",", ":")).encode()
 
     def signed(self, params_key: bytes) -> RemotePrefill:
@@ -97,7 +102,18 @@ class RemotePrefill:
             "lease_id": self.lease_id,
             "expires_at": self.expires_at,
             "signature": self.signature,
-        }
+        } | ({"remote_state_pages": [page_runs(p) for p in self.state_pages]} if self.state_pages else {})
+
+
+def page_runs(pages: tuple[int, ...]) -> list[list[int]]:
+    """Block ids as runs [first, count] of consecutive ids (a fresh pool hands out bundles as one run)."""
+    runs: list[list[int]] = []
+    for p in pages:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    return runs
 
 
 @dataclass(frozen=True)
@@ -115,7 +131,7 @@ def batch_json(items: list[dict[str, Any] | None]) -> dict[str, Any]:
 TransferParams = RemoteDecode | RemotePrefill | RemoteBatch
 PREFILL_KEYS = frozenset({"do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_host", "remote_port",
                           "remote_request_id", "remote_block_ids", "remote_num_tokens", "prompt_hash", "lease_id",
-                          "expires_at", "signature"})  # fmt: skip
+                          "expires_at", "signature", "remote_state_pages"})  # fmt: skip
 
 
 class LoadState(Enum):

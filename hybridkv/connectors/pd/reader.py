@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,8 +63,10 @@ class NixlReader:
         handshake: HandshakeRequest,
         io: PeerIO,
         timeout_s: float,
+        pages: Callable[[int], tuple[int, ...]] = lambda b: (b,),
     ) -> None:
         self.plan, self.transport, self.placement, self.io = plan, transport, placement, io
+        self.pages = pages  # local table entry -> its block ids (a state bundle's pages)
         self.handshake = handshake  # what we send a peer: our compat hash and engine id
         self.timeout_s = timeout_s
         self.loads: dict[str, _Load] = {}
@@ -109,15 +112,42 @@ class NixlReader:
         try:
             end = num_local_tokens + req.num_external_tokens
             remote = [list(g) for g in params.block_ids]
-            load.moves = block_moves(block_ids, remote, num_local_tokens, end, self.plan.block_size)
+            moves = block_moves(block_ids, remote, num_local_tokens, end, self.plan.block_size)
         except ValueError as e:
             self._fail(load, f"bad remote_block_ids: {e}")
+            return
+        try:
+            load.moves = self._page_moves(moves, params)
+        except ValueError as e:
+            self._fail(load, f"bad remote_state_pages: {e}")
             return
         if peer is not None:
             self._confirm(load, peer)
         elif (params.engine_id, params.host, params.port) not in self._asked:
             self._asked.add((params.engine_id, params.host, params.port))
             self.io.handshake(params.engine_id, params.host, params.port, self.handshake)
+
+    def _page_moves(self, moves: list[tuple[int, int, int]], params: RemotePrefill) -> list[tuple[int, int, int]]:
+        """`moves` with each state entry (a bundle on both sides) expanded to its pages, paired in page order."""
+        state = self.plan.state
+        if state is None:
+            if params.state_pages:
+                raise ValueError("this instance keeps no recurrent state")
+            return moves
+        named = [b for b in params.block_ids[state.group] if b != 0]
+        if len(named) != len(params.state_pages):
+            raise ValueError(f"{len(params.state_pages)} page lists for {len(named)} state entries")
+        remote_pages = dict(zip(named, params.state_pages, strict=True))
+        out = []
+        for g, local, remote in moves:
+            if g != state.group:
+                out.append((g, local, remote))
+                continue
+            mine = self.pages(local)
+            if len(mine) != state.num_pages:
+                raise ValueError(f"local state entry {local} has {len(mine)} pages, not {state.num_pages}")
+            out.extend((g, lp, rp) for lp, rp in zip(mine, remote_pages[remote], strict=True))
+        return out
 
     def _confirm(self, load: _Load, peer: Peer) -> None:
         """Check the load against what the peer proved, then ask it to confirm the lease."""

@@ -24,3 +24,9 @@ def paged_prefill() -> Callable[..., torch.Tensor] | None:
     `paged_prefill.cpp`. None where the kernels are off or this CPU has no AVX512-BF16."""
     module = load_kernel(SOURCES / "paged_prefill.cpp")
     return None if module is None or not module.supported else module.paged_prefill
+
+
+def state_step() -> object | None:
+    """The module with `conv_step` and `delta_step` (one-token recurrent steps on states in the block pool); see
+    `state_step.cpp`. None where the kernels are off or did not build."""
+    return load_kernel(SOURCES / "state_step.cpp")

@@ -1,0 +1,235 @@
+// One-token recurrent-state steps that read each request's state where it lives in the block pool and write the
+// state after the step to its destination entry: the same pages while a request decodes inside a block (in
+// place), fresh pages once its step crosses a block end (copy-on-write without a separate copy).
+//
+// A state entry is a blob of bytes (`kv/state_plan.py`) cut into P segments: segment s holds blob bytes
+// [starts[s], starts[s + 1]) at address addr[s] (one segment per page in the packed layout, one per page and
+// region in the per-layer layout). Request r's source and destination segments are rows r of `src` and `dst`.
+//
+//   blob   |conv 0|ssm 0 (head 0 | head 1 | ...)|conv 1|ssm 1 ...|      one layer's slot: conv, then recurrent
+//   pages  |  page 0      |  page 1      |  page 2      | ...             a head may straddle a page end
+//
+// Each (request, head) reads its [dk, dv] matrix row by row into a private buffer (64 KiB for Qwen3.5 in float32:
+// it stays in L2) and writes it out row by row: the pool's bytes are read once and written once per step.
+//
+// Bits: the same as `models/gated_deltanet.gated_delta_step` and `causal_conv1d` in torch, by construction: the
+// same float32 operations in the same order (sums run over dk in index order, one rounding per operation, no
+// fused multiply-add: fp-contract is off for this file), whatever the batch or the thread count.
+#pragma GCC optimize("fp-contract=off")
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// The blob of one request: P segments, blob offset -> address.
+struct Blob {
+  const int64_t* starts;  // [P + 1], ascending; starts[0] = 0
+  const int64_t* addr;    // [P]
+  int64_t segments;
+
+  // The address of blob byte `offset`.
+  const uint8_t* locate(int64_t offset) const {
+    const int64_t s = std::upper_bound(starts, starts + segments + 1, offset) - starts - 1;
+    return reinterpret_cast<const uint8_t*>(addr[s]) + (offset - starts[s]);
+  }
+
+  // Bytes [offset, offset + n) of the blob into `buf` (kGather) or from it.
+  template <bool kGather>
+  void copy(int64_t offset, int64_t n, uint8_t* buf) const {
+    int64_t s = std::upper_bound(starts, starts + segments + 1, offset) - starts - 1;
+    while (n > 0) {
+      const int64_t piece = std::min(n, starts[s + 1] - offset);
+      uint8_t* at = reinterpret_cast<uint8_t*>(addr[s]) + (offset - starts[s]);
+      if (kGather) {
+        std::memcpy(buf, at, piece);
+      } else {
+        std::memcpy(at, buf, piece);
+      }
+      buf += piece;
+      offset += piece;
+      n -= piece;
+      ++s;
+    }
+  }
+};
+
+void check_blobs(const torch::Tensor& src, const torch::Tensor& dst, const torch::Tensor& starts, int64_t n,
+                 int64_t end) {
+  TORCH_CHECK(src.dtype() == torch::kInt64 && dst.dtype() == torch::kInt64 && starts.dtype() == torch::kInt64);
+  TORCH_CHECK(src.is_contiguous() && dst.is_contiguous() && starts.is_contiguous());
+  TORCH_CHECK(src.dim() == 2 && src.sizes() == dst.sizes() && src.size(0) == n);
+  TORCH_CHECK(starts.numel() == src.size(1) + 1 && starts.data_ptr<int64_t>()[0] == 0);
+  TORCH_CHECK(end <= starts.data_ptr<int64_t>()[src.size(1)], "the slot runs past the state blob");
+}
+
+template <typename X, typename W>
+void conv_rows(const X* x, const float* taps, X* y, int64_t taps_n, int64_t dim, const int64_t* src,
+               const int64_t* dst, const int64_t* starts, int64_t segments, int64_t offset, int64_t r0, int64_t r1) {
+  const int64_t keep = (taps_n - 1) * dim;  // the window: K - 1 rows of `dim`, oldest first
+  std::vector<W> window(keep);
+  std::vector<float> acc(dim);
+  for (int64_t r = r0; r < r1; ++r) {
+    auto* buf = reinterpret_cast<uint8_t*>(window.data());
+    Blob{starts, src + r * segments, segments}.copy<true>(offset, keep * sizeof(W), buf);
+    const X* xr = x + r * dim;
+    // y = xp[0] * w[0] + xp[1] * w[1] + ... over xp = (window rows, x), left to right
+    for (int64_t d = 0; d < dim; ++d) acc[d] = static_cast<float>(window[d]) * taps[d];
+    for (int64_t k = 1; k < taps_n - 1; ++k) {
+      for (int64_t d = 0; d < dim; ++d) acc[d] = acc[d] + static_cast<float>(window[k * dim + d]) * taps[k * dim + d];
+    }
+    const float* last = taps + (taps_n - 1) * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      acc[d] = acc[d] + static_cast<float>(xr[d]) * last[d];
+      y[r * dim + d] = static_cast<X>(acc[d]);
+    }
+    std::memmove(window.data(), window.data() + dim, (keep - dim) * sizeof(W));
+    for (int64_t d = 0; d < dim; ++d) window[keep - dim + d] = static_cast<W>(static_cast<float>(xr[d]));
+    Blob{starts, dst + r * segments, segments}.copy<false>(offset, keep * sizeof(W), buf);
+  }
+}
+
+// conv_step(x [N, D] float32|bfloat16, taps [K, D] float32, src [N, P], dst [N, P], starts [P + 1], offset,
+// window_bf16) -> y [N, D]: the causal conv's output for each request's one new input, the window (K - 1 rows of
+// D, float32 or bfloat16 when window_bf16) moving on by one row from src to dst.
+torch::Tensor conv_step(const torch::Tensor& x, const torch::Tensor& taps, const torch::Tensor& src,
+                        const torch::Tensor& dst, const torch::Tensor& starts, int64_t offset, bool window_bf16) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16));
+  TORCH_CHECK(taps.dim() == 2 && taps.is_contiguous() && taps.dtype() == torch::kFloat32);
+  const int64_t n = x.size(0), dim = x.size(1), taps_n = taps.size(0);
+  TORCH_CHECK(taps.size(1) == dim && taps_n >= 2 && offset >= 0);
+  const int64_t window_bytes = (taps_n - 1) * dim * (window_bf16 ? 2 : 4);
+  check_blobs(src, dst, starts, n, offset + window_bytes);
+  auto y = torch::empty_like(x);
+  const int64_t segments = src.size(1);
+  const int64_t *s = src.data_ptr<int64_t>(), *d = dst.data_ptr<int64_t>(), *st = starts.data_ptr<int64_t>();
+  const float* w = taps.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    if (x.dtype() == torch::kFloat32) {
+      const float* xp = x.data_ptr<float>();
+      float* yp = y.data_ptr<float>();
+      if (window_bf16) {
+        conv_rows<float, c10::BFloat16>(xp, w, yp, taps_n, dim, s, d, st, segments, offset, r0, r1);
+      } else {
+        conv_rows<float, float>(xp, w, yp, taps_n, dim, s, d, st, segments, offset, r0, r1);
+      }
+    } else {
+      const auto* xp = x.data_ptr<c10::BFloat16>();
+      auto* yp = y.data_ptr<c10::BFloat16>();
+      if (window_bf16) {
+        conv_rows<c10::BFloat16, c10::BFloat16>(xp, w, yp, taps_n, dim, s, d, st, segments, offset, r0, r1);
+      } else {
+        conv_rows<c10::BFloat16, float>(xp, w, yp, taps_n, dim, s, d, st, segments, offset, r0, r1);
+      }
+    }
+  });
+  return y;
+}
+
+// One (request, head): the [dk, dv] state at blob byte `at`, stored as S (float or bfloat16), stepped in float32.
+// Pass 1 reads each row from the pool into `state` (L2-sized), decays it and folds it into pred while it is in
+// L1; pass 2 steps each row and writes it to the destination at once, prefetching the next head's row (`next`,
+// null for none): the pool's bytes stream in once and out once, and the arithmetic overlaps the memory traffic.
+template <typename S>
+void delta_head(const Blob& src, const Blob& dst, int64_t at, int64_t dk, int64_t dv, const float* __restrict q,
+                const float* __restrict k, const float* __restrict v, float g, float bt, float* __restrict o,
+                S* __restrict row_buf, float* __restrict state, float* __restrict pred, float* __restrict delta,
+                const Blob* next, int64_t next_at) {
+  const int64_t row_bytes = dv * static_cast<int64_t>(sizeof(S));
+  std::fill(pred, pred + dv, 0.f);
+  for (int64_t i = 0; i < dk; ++i) {
+    float* __restrict si = state + i * dv;
+    if constexpr (std::is_same_v<S, float>) {
+      src.copy<true>(at + i * row_bytes, row_bytes, reinterpret_cast<uint8_t*>(si));
+    } else {
+      src.copy<true>(at + i * row_bytes, row_bytes, reinterpret_cast<uint8_t*>(row_buf));
+      for (int64_t j = 0; j < dv; ++j) si[j] = static_cast<float>(row_buf[j]);
+    }
+    const float ki = k[i];
+    for (int64_t j = 0; j < dv; ++j) {
+      si[j] = si[j] * g;  // the decayed state, kept for pass 2
+      pred[j] = pred[j] + si[j] * ki;
+    }
+  }
+  for (int64_t j = 0; j < dv; ++j) delta[j] = (v[j] - pred[j]) * bt;
+  std::fill(o, o + dv, 0.f);
+  for (int64_t i = 0; i < dk; ++i) {
+    float* __restrict si = state + i * dv;
+    const float ki = k[i], qi = q[i];
+    if (next != nullptr) {
+      const uint8_t* ahead = next->locate(next_at + i * row_bytes);
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
+    }
+    for (int64_t j = 0; j < dv; ++j) {
+      const float stepped = si[j] + ki * delta[j];
+      si[j] = stepped;
+      o[j] = o[j] + qi * stepped;
+    }
+    if constexpr (std::is_same_v<S, float>) {
+      dst.copy<false>(at + i * row_bytes, row_bytes, reinterpret_cast<uint8_t*>(si));
+    } else {
+      for (int64_t j = 0; j < dv; ++j) row_buf[j] = static_cast<S>(si[j]);  // round to nearest even
+      dst.copy<false>(at + i * row_bytes, row_bytes, reinterpret_cast<uint8_t*>(row_buf));
+    }
+  }
+}
+
+// delta_step(q, k [N, H, dk], v [N, H, dv], decay, beta [N, H], src, dst, starts, offset, state_bf16) -> out
+// [N, H, dv], all float32: one token of the gated delta rule per request and head on the state S [H, dk, dv] at
+// blob byte `offset` (float32, or bfloat16 when state_bf16: widened, stepped in float32, rounded back), with
+// decay = exp(g):
+//   pred   = sum_i (decay S[i]) k_i            delta = (v - pred) beta
+//   S'[i]  = decay S[i] + k_i delta            out   = sum_i q_i S'[i]
+torch::Tensor delta_step(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         const torch::Tensor& decay, const torch::Tensor& beta, const torch::Tensor& src,
+                         const torch::Tensor& dst, const torch::Tensor& starts, int64_t offset, bool state_bf16) {
+  for (const auto* t : {&q, &k, &v, &decay, &beta}) TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous());
+  TORCH_CHECK(q.dim() == 3 && q.sizes() == k.sizes() && v.dim() == 3 && offset >= 0);
+  const int64_t n = q.size(0), heads = q.size(1), dk = q.size(2), dv = v.size(2);
+  TORCH_CHECK(v.size(0) == n && v.size(1) == heads && decay.numel() == n * heads && beta.numel() == n * heads);
+  const int64_t item = state_bf16 ? 2 : 4;
+  check_blobs(src, dst, starts, n, offset + heads * dk * dv * item);
+  auto out = torch::empty_like(v);
+  const int64_t segments = src.size(1);
+  const int64_t *s = src.data_ptr<int64_t>(), *d = dst.data_ptr<int64_t>(), *st = starts.data_ptr<int64_t>();
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *gp = decay.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n * heads, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> state(dk * dv), pred(dv), delta(dv);
+    std::vector<c10::BFloat16> row(dv);
+    for (int64_t rh = b; rh < e; ++rh) {
+      const int64_t r = rh / heads, h = rh % heads;
+      const Blob from{st, s + r * segments, segments}, to{st, d + r * segments, segments};
+      const int64_t at = offset + h * dk * dv * item;
+      const float *qr = qp + rh * dk, *kr = kp + rh * dk, *vr = vp + rh * dv;
+      float* o = op + rh * dv;
+      const int64_t nr = (rh + 1) / heads, nh = (rh + 1) % heads;
+      const Blob ahead{st, s + nr * segments, segments};
+      const Blob* next = rh + 1 < e ? &ahead : nullptr;
+      const int64_t next_at = offset + nh * dk * dv * item;
+      if (state_bf16) {
+        delta_head(from, to, at, dk, dv, qr, kr, vr, gp[rh], bp[rh], o, row.data(), state.data(), pred.data(),
+                   delta.data(), next, next_at);
+      } else {
+        delta_head<float>(from, to, at, dk, dv, qr, kr, vr, gp[rh], bp[rh], o, nullptr, state.data(), pred.data(),
+                          delta.data(), next, next_at);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("conv_step", &conv_step, "causal conv, one token per request, window in the block pool");
+  m.def("delta_step", &delta_step, "gated delta rule, one token per request, state in the block pool");
+}
