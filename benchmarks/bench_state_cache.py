@@ -7,16 +7,21 @@ checkpoint memory under checkpoint policies (`hybridkv/engine/chunking.py`), on 
   sglang      SGLang's extra buffer: one checkpoint per prompt, at its last whole 64-token unit (no branch point:
               a shared prefix followed by a longer suffix is missed, sglang#22935);
   chunk_end   our chunk_end policy (align mode with our 16-token blocks);
-  prompt_end  ours: the branch point off cached history and the prompt's last whole split unit.
+  prompt_end_lru  ours without the path refresh: checkpoints in plain LRU order (a hit touches only the
+              checkpoint it resumes from);
+  prompt_end  ours: the branch point off cached history and the prompt's last whole split unit; a hit refreshes
+              every cached checkpoint on its path (`PrefixHit.ancestors`).
 
 Traces (requests run one at a time, sessions interleaved turn by turn; random-weight Qwen3.5, float32):
   chat   C conversations share one system prompt; each has T turns; turn t's prompt is the system prompt, the
          conversation so far (earlier user messages and the model's answers) and a new user message.
   agent  the same with a long system prompt (tool definitions), tool results as user turns, and at every
          `--fork-every`th turn a retried tool call: a sibling request diverges from the same history with another
-         tool result, and the session goes on from the retry.
+         tool result, and the session goes on from the retry. `--stagger N`: N sessions join per round, so
+         sessions keep arriving while others are deep in their turns (the system prompt's checkpoint must last).
 
-    python benchmarks/bench_state_cache.py [--trace chat|agent] [--shape tiny] [--conversations 4] [--turns 4]
+    python benchmarks/bench_state_cache.py [--trace chat|agent] [--stagger 0] [--fork-every 2] [--policies ...]
+        [--shape tiny] [--conversations 4] [--turns 4]
         [--system 512] [--user 96] [--answer 32] [--threads 1] [--max-num-batched-tokens 2048] [--json]
 """
 
@@ -33,12 +38,13 @@ from pathlib import Path
 import hybrid_models
 import torch
 
-POLICIES = ("none", "vllm_align", "sglang", "chunk_end", "prompt_end")
+POLICIES = ("none", "vllm_align", "sglang", "chunk_end", "prompt_end_lru", "prompt_end")
 ENGINE = {  # policy -> engine options
     "none": dict(state_checkpoints="none"),
     "vllm_align": dict(state_checkpoints="chunk_end", block_size=512),
     "sglang": dict(state_checkpoints="last_unit"),
     "chunk_end": dict(state_checkpoints="chunk_end"),
+    "prompt_end_lru": dict(state_checkpoints="prompt_end"),
     "prompt_end": dict(state_checkpoints="prompt_end"),
 }
 
@@ -52,9 +58,13 @@ def workload(args: argparse.Namespace, vocab: int) -> tuple[list[int], list[tupl
         return [rng.randrange(4, vocab) for _ in range(n)]
 
     system = tokens(args.system)
+    start = [c // args.stagger if args.stagger else 0 for c in range(args.conversations)]  # the round c joins in
     requests = []
-    for t in range(args.turns):
+    for r in range(max(start) + args.turns):
         for c in range(args.conversations):
+            t = r - start[c]  # session c's turn in round r
+            if not 0 <= t < args.turns:
+                continue
             if args.trace == "agent" and args.fork_every and t % args.fork_every == args.fork_every - 1:
                 requests.append((c, tokens(args.user), False))  # the tool call that is retried
             requests.append((c, tokens(args.user), True))
@@ -65,10 +75,12 @@ def run(folder: Path, policy: str, args: argparse.Namespace) -> dict:
     from hybridkv import LLM, SamplingParams
 
     llm = LLM(
-        str(folder), dtype="float32", kv_cache_memory=args.kv_cache_memory, max_model_len=8192,
+        str(folder), dtype="float32", kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, **ENGINE[policy],
     )  # fmt: skip
     engine = llm.engine
+    if policy == "prompt_end_lru":
+        engine.kv.pool.refresh = lambda blocks: None  # the baseline: no path refresh
     system, requests = workload(args, engine.vocab_size)
     history = [list(system) for _ in range(args.conversations)]
     params = SamplingParams(max_tokens=args.answer, temperature=0, ignore_eos=True)
@@ -111,6 +123,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default="chat", choices=("chat", "agent"))
     ap.add_argument("--fork-every", type=int, default=2, help="agent trace: a retried tool call every Nth turn")
+    ap.add_argument("--stagger", type=int, default=0, help="sessions joining per round (0: all in the first)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--shape", default="tiny", choices=sorted(hybrid_models.SHAPES))
     ap.add_argument("--conversations", type=int, default=4)
@@ -120,7 +133,8 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--kv-cache-memory", default="512MiB")
+    ap.add_argument("--kv-cache-memory", default="512MiB", help="the pool, the same for every policy")
+    ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse a built checkpoint here")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

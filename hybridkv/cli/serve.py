@@ -63,7 +63,8 @@ def serve(
         str,
         typer.Option(
             help="recurrent-state models: where prefill chunks end so the state there is cached: prompt_end "
-            "(also at the prompt's last whole split unit, for follow-up turns) | chunk_end | none"
+            "(at the branch point and at the prompt's last whole split unit, for follow-up turns) | last_unit | "
+            "chunk_end | none"
         ),
     ] = "prompt_end",
 ) -> None:

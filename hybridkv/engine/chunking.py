@@ -18,8 +18,9 @@ Two policies, picked by the engine (`exact_unit`):
   to end besides the budget: "prompt_end" also ends one at the branch point (the unit before where the prompt
   leaves what the attention groups have cached: a shared system prompt, a conversation another request
   continues; SGLang's branching_seqlen) and at A * floor(P1 / A), so that a follow-up request (the next turn of
-  a chat) resumes there; "chunk_end" only where the budget ends them (vLLM's "align" mode); "none" publishes
-  nothing (no prefix caching of states, the baseline).
+  a chat) resumes there; "last_unit" only at A * floor(P1 / A) (SGLang's extra buffer: a shared prefix followed
+  by a longer suffix gets no checkpoint); "chunk_end" only where the budget ends them (vLLM's "align" mode);
+  "none" publishes nothing (no prefix caching of states, the baseline).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from hybridkv.models.registry import model_class
 from hybridkv.request.state import Request
 from hybridkv.runner.step_index import EXACT_TILE
 
-CHECKPOINT_POLICIES = ("prompt_end", "chunk_end", "none")
+CHECKPOINT_POLICIES = ("prompt_end", "last_unit", "chunk_end", "none")
 
 
 class FreeChunks:
@@ -72,13 +73,15 @@ class ExactChunks:
         end = min(last, start + budget)
         if end < last:
             end -= end % self.align
-        if self.checkpoints == "prompt_end":
-            # Stop at the branch point first (a later request sharing the cached history resumes there), then at
-            # the prompt-end checkpoint.
-            for stop in (req.branch_tokens - req.branch_tokens % self.align, last - last % self.align):
-                if start < stop < end:
-                    end = stop
-                    break
+        stops = {
+            # the branch point first (a later request sharing the cached history resumes there), then the prompt end
+            "prompt_end": (req.branch_tokens - req.branch_tokens % self.align, last - last % self.align),
+            "last_unit": (last - last % self.align,),
+        }.get(self.checkpoints, ())
+        for stop in stops:
+            if start < stop < end:
+                end = stop
+                break
         return max(0, end - start)
 
     def min_chunk(self, req: Request) -> int:

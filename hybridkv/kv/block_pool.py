@@ -199,6 +199,13 @@ class BlockPool:
                     self.queued_tails -= len(block.pages) - 1
             block.ref_cnt += 1
 
+    def refresh(self, blocks: Iterable[Block]) -> None:
+        """Move queued cached blocks to the recent end of the queue (they were just found useful), in order."""
+        for block in blocks:
+            if block.ref_cnt == 0 and block.key is not None:
+                self.free_queue.remove(block)
+                self.free_queue.append(block)
+
     def free_blocks(self, blocks: Iterable[Block]) -> None:
         """Drop one reference each, in the given order (callers pass tail blocks first to evict them first)."""
         for block in blocks:

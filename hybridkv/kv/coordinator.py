@@ -26,6 +26,9 @@ class PrefixHit:
     # Tokens the groups without per-request state (attention) have cached, >= num_tokens: where the request
     # branches off the cached history. A recurrent state checkpoint there lets the next request resume there.
     branch_tokens: int = 0
+    # Cached state checkpoints before the one the hit resumes from (on the same path): taking the hit refreshes
+    # them in the pool's LRU order, as walking a radix tree refreshes every node on the path.
+    ancestors: tuple[Block, ...] = ()
 
     @staticmethod
     def empty(num_groups: int) -> PrefixHit:
@@ -83,7 +86,10 @@ class KVCacheCoordinator:
         if len(stateless) < len(specs) and stateless:
             held = lambda j, i: lookup(stateless[j], i) is not None  # noqa: E731
             branch = common_resume_block([specs[g] for g in stateless], held, k, end)
-        return PrefixHit(k * self.block_size, blocks, branch * self.block_size)
+        ancestors = tuple(
+            b for g, spec in enumerate(specs) if spec.per_request_state for i in range(k - 1) if (b := lookup(g, i))
+        )
+        return PrefixHit(k * self.block_size, blocks, branch * self.block_size, ancestors)
 
     def allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make every group's table for `req_id` cover tokens [0, num_tokens). Tokens [0, num_computed_tokens)
@@ -106,6 +112,7 @@ class KVCacheCoordinator:
             # Take every group's hits before any new block, so no allocation evicts a block we are reusing.
             for m, h in zip(self.managers, hit_blocks):
                 m.add_hit_blocks(req_id, h)
+            self.pool.refresh(hit.ancestors)
         for m in self.managers:
             m.allocate(req_id, num_tokens, num_computed_tokens)
         return True

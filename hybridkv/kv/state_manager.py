@@ -114,8 +114,8 @@ class StateManager(GroupManager):
     def free(self, req_id: str) -> None:
         """Free front to back: freed cached blocks are evicted in the order freed, so a request's shallower
         checkpoints go before its deeper ones, which save more compute for the same bytes (Marconi's FLOP
-        efficiency, within one request; across requests the pool's LRU order stands, and a reused checkpoint is
-        touched back to the recent end)."""
+        efficiency, within one request; across requests the pool's LRU order stands: a reused checkpoint is
+        touched back to the recent end, and so are the cached checkpoints before it (`PrefixHit.ancestors`))."""
         self.held.pop(req_id, None)
         table = self.tables.pop(req_id, [])
         self.ids.pop(req_id, None)

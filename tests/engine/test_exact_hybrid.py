@@ -63,13 +63,15 @@ def test_a_follow_up_turn_resumes_in_the_prompt_and_equals_its_run_alone(hybrid_
     assert_same_bits([got], [want])
 
 
-def test_a_shared_system_prompt_gets_a_checkpoint_at_its_branch_point(hybrid_checkpoint):
+@pytest.mark.parametrize("policy", ["prompt_end", "last_unit"])
+def test_a_shared_system_prompt_gets_a_checkpoint_at_its_branch_point(hybrid_checkpoint, policy):
     """X, Y, Z share a 100-token system prompt. X's checkpoints lie past it; Y finds the system prompt's attention
-    blocks cached but no state there, so its prefill stops at the branch point; Z resumes from that checkpoint."""
+    blocks cached but no state there, so its prefill stops at the branch point; Z resumes from that checkpoint.
+    last_unit (SGLang's extra buffer) checkpoints only each prompt's own end: Z finds nothing to resume."""
     rng = __import__("random").Random(5)
     system = [rng.randrange(4, 500) for _ in range(100)]
     xyz = [system + [rng.randrange(4, 500) for _ in range(50)] for _ in range(3)]
-    llm = engine(hybrid_checkpoint)
+    llm = engine(hybrid_checkpoint, state_checkpoints=policy)
     unit = llm.engine.plan.state.align
     hits = []
     got = []
@@ -77,7 +79,7 @@ def test_a_shared_system_prompt_gets_a_checkpoint_at_its_branch_point(hybrid_che
         before = llm.engine.stats().prefix_hit_tokens
         got += generate(llm, [p])
         hits.append(llm.engine.stats().prefix_hit_tokens - before)
-    assert hits == [0, 0, 100 // unit * unit]
+    assert hits == [0, 0, 100 // unit * unit if policy == "prompt_end" else 0]
     assert_same_bits(got, alone(hybrid_checkpoint, xyz))
 
 

@@ -175,3 +175,29 @@ def test_a_finished_request_frees_its_shallower_checkpoints_to_be_evicted_first(
     assert order.index(held[0].block_id) < order.index(held[1].block_id)
     assert cached_state_entries(c, hashes)[0] >= {1, 3}
     c.check_integrity()
+
+
+def test_a_hit_refreshes_the_cached_checkpoints_on_its_path():
+    """A checkpoint at 32 tokens (say, a shared system prompt's end) that requests resuming deeper pass through
+    moves to the recent end of the LRU queue when one of them resumes at 64: as walking a radix tree refreshes
+    every node on the path, so it outlives a later-freed but unused block."""
+    c = coordinator()
+    hashes = hash_blocks(tokens(80), BS)
+    step(c, "a", hashes, 0, 32)
+    c.remove_skipped_blocks("a", 32)
+    step(c, "a", hashes, 32, 32)
+    c.free("a")
+    at_32 = c.pool.get_cached_block(hashes[1], 1)
+    other = hash_blocks(tokens(32, seed=9), BS)
+    step(c, "x", other, 0, 32)  # an unrelated request: its cached blocks are freed after the checkpoint at 32
+    c.free("x")
+    later = c.pool.get_cached_block(other[0], 0)
+    order = [b.block_id for b in c.pool.free_queue]
+    assert order.index(at_32.block_id) < order.index(later.block_id)
+    hit = c.find_cached_prefix(hashes, 80)
+    assert hit.num_tokens == 64 and at_32 in hit.ancestors
+    assert c.allocate("b", 80, 64, hit)
+    order = [b.block_id for b in c.pool.free_queue]
+    assert order.index(at_32.block_id) > order.index(later.block_id), "the checkpoint on the path was not refreshed"
+    c.free("b")
+    c.check_integrity()
