@@ -105,7 +105,8 @@ class PagedStates:
         """Store the gathered states after the step in their destination pages (requests that keep theirs)."""
         if not self._keep.numel():
             return
-        rows = self.blobs[self._keep].view(self._keep_pages.numel(), self.layout.page_bytes)
+        kept = self.blobs if self._keep.numel() == self.blobs.shape[0] else self.blobs[self._keep]  # no copy if all
+        rows = kept.view(self._keep_pages.numel(), self.layout.page_bytes)
         self.memory.write_pages(self._keep_pages, rows)
 
 
