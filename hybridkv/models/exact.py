@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridkv.models.split_sum import row_sum, split_weight
+from hybridkv.models.split_sum import row_sum, split_weight, square_sum
 
-__all__ = ["chunk_bounds", "linear", "rms_scale", "row_sum", "sigmoid", "silu", "softplus"]
+__all__ = ["chunk_bounds", "linear", "rms_scale", "row_sum", "sigmoid", "silu", "softplus", "square_sum"]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,8 +33,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
     """1 / sqrt(mean(x^2, -1) + eps) in float32 [..., 1], the mean square summed exactly."""
-    xd = x.to(torch.float64)
-    return torch.rsqrt((row_sum(xd * xd) / x.shape[-1]).to(torch.float32) + eps)
+    return torch.rsqrt((square_sum(x) / x.shape[-1]).to(torch.float32) + eps)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:

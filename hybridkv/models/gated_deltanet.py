@@ -25,8 +25,7 @@ CHUNK = 64
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(|x|^2 + eps) over the last dim (the form FLA and transformers use), |x|^2 summed exactly."""
-    xd = x.to(torch.float64)
-    return x * torch.rsqrt(exact.row_sum(xd * xd).to(x.dtype) + eps)
+    return x * torch.rsqrt(exact.square_sum(x).to(x.dtype) + eps)
 
 
 def causal_conv1d(

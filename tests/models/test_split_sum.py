@@ -141,3 +141,36 @@ def test_the_native_kernel_and_the_blas_give_the_same_integers(k):
     for m in (1, 2, 5, 17, 300, 600):
         assert torch.equal(sw.kernel.exact_rows(rows[:m].contiguous(), sw.columns, 70), blas[:m]), m
     assert torch.equal(sw(x), exact.linear(x, w))
+
+
+@pytest.mark.parametrize(("k", "n"), [*SHAPES, (64, 8208), (2048, 64), (1, 5)])
+def test_the_one_call_kernel_gives_the_torch_steps_bits(k, n):
+    """`exact_linear` and `exact_row_sums` (one native call each) against the torch steps they replace: split,
+    integer sums, combination; row exponents over a wide range, zero rows and columns, subnormal and huge
+    inputs (squares past float32's range)."""
+    kernel = rows_kernel()
+    if kernel is None:
+        pytest.skip("native kernels are off or did not build")
+    g = torch.Generator().manual_seed(k + n)
+    for m in (1, 4, 7, 32, 100):
+        x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-30, 30, (m, k), generator=g).float())
+        x[0, : k // 2] = 0
+        if m > 4:
+            x[2] = 0
+            x[3, ::3] = 1e-40  # subnormal
+            x[4, 0] = 3e38  # its square is past float32's range
+        w = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-20, 5, (n, 1), generator=g).float())
+        w[min(3, n - 1)] = 0
+        sw = SplitWeight(w)
+        steps = sw.combine(*sw.integer_sums(x), x.dtype)  # the torch steps (sums from the BLAS-equal kernel)
+        assert torch.equal(sw(x), steps), m
+        xd = x.double()
+        assert torch.equal(exact.square_sum(x), torch_row_sum(xd * xd)), m
+        assert torch.equal(row_sum(xd), torch_row_sum(xd)), m
+
+
+def torch_row_sum(x: torch.Tensor) -> torch.Tensor:
+    """`row_sum` in torch steps: one slice of 53 - ceil(log2 K) bits per row, summed."""
+    bits = 53 - max(1, (x.shape[-1] - 1).bit_length())
+    (part,), e = split(x, bits, 1)
+    return part.sum(-1, keepdim=True) * torch.exp2((e - bits).double())
