@@ -62,10 +62,16 @@ def _state_blob(pool: Pool, pages: list[int], offset: int, shape: tuple[int, ...
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("widths", "copy_on_write"), [([4096], False), ([4096], True), ([1000, 3096], True)])
-def test_delta_step_equals_the_torch_step_on_scattered_pages(kernel, widths, copy_on_write, dtype):
+@pytest.mark.parametrize(
+    ("widths", "copy_on_write", "aligned"),
+    [([4096], False, False), ([4096], True, False), ([1000, 3096], True, False), ([4096], False, True),
+     ([4096], True, True)],
+)  # fmt: skip
+def test_delta_step_equals_the_torch_step_on_scattered_pages(kernel, widths, copy_on_write, aligned, dtype):
     n, heads, dk, dv = 5, 3, 16, 24  # one head = 1536 bytes in float32: heads straddle page and region ends
     offset = 2000  # the slot starts inside page 0 (or its second region)
+    if aligned:  # float32 rows of 128 bytes on 64-byte boundaries, never across a page end: read where they lie
+        dv, offset = 32, 2048  # and streamed out (non-temporal stores)
     size = heads * dk * dv * torch.finfo(dtype).bits // 8
     m = -(-(offset + size) // sum(widths))
     pool = Pool(widths, num_blocks=64, seed=0)
@@ -127,14 +133,18 @@ def test_delta_step_bits_do_not_depend_on_the_batch_or_threads(kernel):
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window_dtype", [torch.float32, torch.bfloat16])
-def test_conv_step_equals_causal_conv1d(kernel, x_dtype, window_dtype):
+@pytest.mark.parametrize("layout", ["scattered", "rows_in_one_page", "rows_in_one_page_in_place"])
+def test_conv_step_equals_causal_conv1d(kernel, x_dtype, window_dtype, layout):
+    """Rows across page and region ends (gathered and scattered), and rows that lie in one page (read and moved
+    where they lie; in place, each row must be read before it is overwritten)."""
     n, taps_n, dim, offset = 4, 4, 300, 700
+    widths = [512, 256] if layout == "scattered" else [8192]
     esize = torch.finfo(window_dtype).bits // 8
     window_bytes = (taps_n - 1) * dim * esize
-    pool = Pool([512, 256], num_blocks=64, seed=6)
-    m = -(-(offset + window_bytes) // 768)
+    pool = Pool(widths, num_blocks=64, seed=6)
+    m = -(-(offset + window_bytes) // sum(widths))
     entries = _entries(2 * n, m, 64, seed=7)
-    src, dst = entries[:n], entries[n:]
+    src, dst = entries[:n], entries[:n] if layout.endswith("in_place") else entries[n:]
     g = torch.Generator().manual_seed(8)
     windows = torch.randn(n, taps_n - 1, dim, generator=g).to(window_dtype)
     for r, pages in enumerate(src):
