@@ -10,7 +10,9 @@ checkpoint memory under checkpoint policies (`hybridkv/engine/chunking.py`), on 
   prompt_end_lru  ours without the path refresh: checkpoints in plain LRU order (a hit touches only the
               checkpoint it resumes from);
   prompt_end  ours: the branch point off cached history and the prompt's last whole split unit; a hit refreshes
-              every cached checkpoint on its path (`PrefixHit.ancestors`).
+              every cached checkpoint on its path (`PrefixHit.ancestors`); past `--state-cache-memory` the idle
+              checkpoint saving the least compute per byte goes (Marconi's rule; every other row drops the least
+              recently used, as vLLM and SGLang do).
 
 Traces (requests run one at a time, sessions interleaved turn by turn; random-weight Qwen3.5, float32):
   chat   C conversations share one system prompt; each has T turns; turn t's prompt is the system prompt, the
@@ -76,11 +78,13 @@ def run(folder: Path, policy: str, args: argparse.Namespace) -> dict:
 
     llm = LLM(
         str(folder), dtype="float32", kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, **ENGINE[policy],
+        max_num_batched_tokens=args.max_num_batched_tokens, state_cache_memory=args.state_cache_memory,
+        **ENGINE[policy],
     )  # fmt: skip
     engine = llm.engine
-    if policy == "prompt_end_lru":
-        engine.kv.pool.refresh = lambda blocks: None  # the baseline: no path refresh
+    if policy != "prompt_end":  # the baselines: no path refresh, and the bound drops the least recently used
+        engine.kv.pool.refresh = lambda blocks: None
+        engine.kv.pool.checkpoint_victim = "lru"
     system, requests = workload(args, engine.vocab_size)
     history = [list(system) for _ in range(args.conversations)]
     params = SamplingParams(max_tokens=args.answer, temperature=0, ignore_eos=True)
@@ -134,6 +138,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory", default="512MiB", help="the pool, the same for every policy")
+    ap.add_argument(
+        "--state-cache-memory",
+        default=None,
+        help="bound on idle state checkpoints, the same for every policy (default: the pool only)",
+    )
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse a built checkpoint here")
     ap.add_argument("--json", action="store_true")
@@ -150,7 +159,8 @@ def main() -> None:
     n = rows[0]["requests"]
     print(f"{args.trace} trace: {args.conversations} sessions x {args.turns} turns ({n} requests), system prompt "
           f"{args.system}, user {args.user}, answer {args.answer} tokens; Qwen3.5 {args.shape} random, float32, "
-          f"{args.threads} thread(s), pool {args.kv_cache_memory}")  # fmt: skip
+          f"{args.threads} thread(s), pool {args.kv_cache_memory}, idle checkpoints <= "
+          f"{args.state_cache_memory or 'the pool'}")  # fmt: skip
     print(f"{'policy':<11} {'hit rate':>8} {'hit tok':>8} {'TTFT mean':>10} {'p50':>8} {'max':>8} {'vs none':>8} "
           f"{'ckpt MiB':>9} {'peak':>7}")  # fmt: skip
     for r in rows:

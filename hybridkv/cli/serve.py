@@ -67,6 +67,13 @@ def serve(
             "chunk_end | none"
         ),
     ] = "prompt_end",
+    state_cache_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="recurrent-state models: memory the cached state checkpoints nobody holds may keep, e.g. 256MiB "
+            "(past it the one saving the least compute per byte is dropped); default: bounded by the pool only"
+        ),
+    ] = None,
 ) -> None:
     import logging
     import sys
@@ -100,6 +107,7 @@ def serve(
             kv_offload_disk=kv_offload_disk,
             kv_events_config=kv_events_config,
             state_checkpoints=state_checkpoints,
+            state_cache_memory=state_cache_memory,
             batch_invariant=batch_invariant,
             structured_outputs_config=structured_outputs_config,
         )

@@ -35,6 +35,9 @@ class EngineConfig:
     batch_invariant: bool | None = None
     # Recurrent-state models: where prefill chunks end so the state there is cached (`engine.chunking`).
     state_checkpoints: str = "prompt_end"
+    # Recurrent-state models: bytes the cached state checkpoints nobody holds may keep ("64MiB"); past it the one
+    # with the least compute saved per byte goes (`kv.block_pool`). None: bounded only by the pool.
+    state_cache_memory: int | str | None = None
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict, hash=False)
     # vLLM's --kv-transfer-config: a connector (PD, offloading). Its extra config also feeds the layout choice.
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = field(default=None, hash=False)
@@ -61,6 +64,10 @@ class EngineConfig:
                 f"state_checkpoints must be one of {', '.join(CHECKPOINT_POLICIES)}, got {self.state_checkpoints!r}"
             )
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if self.state_cache_memory is not None:
+            object.__setattr__(self, "state_cache_memory", parse_bytes(self.state_cache_memory))
+            if self.state_cache_memory < 0:
+                raise ValueError(f"state_cache_memory must be >= 0 bytes, got {self.state_cache_memory}")
         if self.kv_offload_cpu is not None or self.kv_offload_disk is not None:
             if self.kv_transfer_config is not None:
                 raise ValueError(

@@ -80,8 +80,9 @@ class LLMEngine:
         # hybrids only at a state checkpoint, which their state groups ensure.
         unit = self.exact_unit // self.plan.block_size if self.exact_unit and self.plan.state is None else 1
         self.kv = KVCacheCoordinator(
-            self.plan, enable_prefix_caching=config.enable_prefix_caching, events=self.kv_events, resume_unit=unit
-        )
+            self.plan, enable_prefix_caching=config.enable_prefix_caching, events=self.kv_events, resume_unit=unit,
+            state_cache_memory=config.state_cache_memory,
+        )  # fmt: skip
         self.runner = ModelRunner(self.model, self.plan, self.device, self.exact_unit)
         self.connector: KVConnector | None = None
         if config.kv_transfer_config is not None:

@@ -19,6 +19,13 @@ the lowest one the *head*, which alone is referenced, cached, hit and queued; th
   taken from the queue's uncached front; where the front would evict a cached block, a spare is dissolved first
   (its m blocks go to the front), so spares never cost a cached block;
 - `num_free_blocks` counts the tails of queued heads and all pages of spares.
+
+Idle checkpoints (cached bundle heads in the queue: state checkpoints nobody holds) may be bounded
+(`max_idle_checkpoints`, from `state_cache_memory`). Past the bound one is evicted at once, the one with the least
+compute saved per byte by Marconi's rule: every bundle has the same bytes, so the score of checkpoint i is
+    recency_i + tokens_i / max_tokens        recency_i in [0, 1]: its rank among the idle, oldest 0, newest 1
+(the tokens a hit on it skips stand for the compute it saves: a hybrid's per-token work dominates its attention's
+quadratic term at these lengths); the lowest score goes, the oldest on a tie.
 """
 
 from __future__ import annotations
@@ -31,14 +38,29 @@ from hybridkv.kv.hashing import BlockHash
 CacheKey = tuple[BlockHash, int]  # (block hash, group id)
 
 
+def _least_compute_per_byte(idle: list[Block]) -> int:
+    """Marconi's rule (module docstring): the lowest recency rank + tokens / deepest, the oldest on a tie."""
+    deepest = max(b.tokens for b in idle) or 1
+    last = max(len(idle) - 1, 1)
+    return min(range(len(idle)), key=lambda i: (i / last + idle[i].tokens / deepest, i))
+
+
+# Which idle checkpoint the bound evicts: the index into the idle ones, least recently queued first.
+CHECKPOINT_VICTIMS = {
+    "flops_per_byte": _least_compute_per_byte,
+    "lru": lambda idle: 0,  # vLLM's and SGLang's order: the least recently used
+}
+
+
 class Block:
-    __slots__ = ("block_id", "key", "next", "pages", "prev", "ref_cnt")
+    __slots__ = ("block_id", "key", "next", "pages", "prev", "ref_cnt", "tokens")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.key: CacheKey | None = None
         self.pages: tuple[int, ...] | None = None  # a bundle head: the bundle's block ids, ascending (it is one)
+        self.tokens = 0  # a cached bundle head: the tokens its state is after (the compute a hit on it saves)
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -93,9 +115,17 @@ class FreeBlockQueue:
 class BlockPool:
     """All block ids of a plan. Groups draw from it; a block belongs to one group at a time."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, events: KVEventLog | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        events: KVEventLog | None = None,
+        max_idle_checkpoints: int | None = None,
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
+        if max_idle_checkpoints is not None and max_idle_checkpoints < 0:
+            raise ValueError(f"max_idle_checkpoints must be >= 0 or None, got {max_idle_checkpoints}")
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
@@ -106,6 +136,10 @@ class BlockPool:
         self.spares: list[Block] = []  # uncached free bundles, kept whole (heads; ref_cnt 0, in no queue)
         self.spare_pages = 0
         self.new_bundles: dict[int, tuple[int, ...]] = {}  # formed since `drain_new_bundles`: head -> pages
+        self.max_idle_checkpoints = max_idle_checkpoints  # None: no bound but the pool
+        self.idle_checkpoints: dict[int, Block] = {}  # cached heads in the queue, least recently queued first
+        self.checkpoints_dropped = 0  # idle checkpoints evicted by the bound
+        self.checkpoint_victim = "flops_per_byte"  # a key of CHECKPOINT_VICTIMS
 
     @property
     def num_blocks(self) -> int:
@@ -138,6 +172,7 @@ class BlockPool:
             block = self.free_queue.popleft()
             if block.pages is not None:
                 self.queued_tails -= len(block.pages) - 1
+                self.idle_checkpoints.pop(block.block_id, None)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -197,6 +232,7 @@ class BlockPool:
                 self.free_queue.remove(block)
                 if block.pages is not None:
                     self.queued_tails -= len(block.pages) - 1
+                    self.idle_checkpoints.pop(block.block_id, None)
             block.ref_cnt += 1
 
     def refresh(self, blocks: Iterable[Block]) -> None:
@@ -205,6 +241,8 @@ class BlockPool:
             if block.ref_cnt == 0 and block.key is not None:
                 self.free_queue.remove(block)
                 self.free_queue.append(block)
+                if block.pages is not None:
+                    self.idle_checkpoints[block.block_id] = self.idle_checkpoints.pop(block.block_id)
 
     def free_blocks(self, blocks: Iterable[Block]) -> None:
         """Drop one reference each, in the given order (callers pass tail blocks first to evict them first)."""
@@ -218,15 +256,31 @@ class BlockPool:
                     self.free_queue.append(block)
                     if block.pages is not None:
                         self.queued_tails += len(block.pages) - 1
+                        self.idle_checkpoints[block.block_id] = block
+                        self._bound_idle_checkpoints()
                 elif block.pages is not None:
                     self.spares.append(block)
                     self.spare_pages += len(block.pages)
                 else:
                     self.free_queue.appendleft(block)
 
-    def cache_block(self, block: Block, block_hash: BlockHash, group_id: int) -> bool:
-        """Publish a full block under its hash. A key already taken by another block is left alone, so tables
-        stay append-only and the duplicate is freed as an ordinary block. True when the key entered the cache."""
+    def _bound_idle_checkpoints(self) -> None:
+        """Evict idle checkpoints past `max_idle_checkpoints`, the lowest score first (module docstring)."""
+        bound = self.max_idle_checkpoints
+        while bound is not None and len(self.idle_checkpoints) > bound:
+            idle = list(self.idle_checkpoints.values())
+            head = idle[CHECKPOINT_VICTIMS[self.checkpoint_victim](idle)]
+            del self.idle_checkpoints[head.block_id]
+            self.free_queue.remove(head)
+            self.queued_tails -= len(head.pages or ()) - 1
+            self._evict(head)  # its tails go to the front of the queue
+            self.free_queue.appendleft(head)
+            self.checkpoints_dropped += 1
+
+    def cache_block(self, block: Block, block_hash: BlockHash, group_id: int, tokens: int = 0) -> bool:
+        """Publish a full block under its hash (`tokens`: for a state checkpoint, the tokens its state is
+        after). A key already taken by another block is left alone, so tables stay append-only and the duplicate
+        is freed as an ordinary block. True when the key entered the cache."""
         if not self.enable_caching or block is self.null_block or block.key is not None:
             return False
         key = (block_hash, group_id)
@@ -234,6 +288,7 @@ class BlockPool:
             return False
         self.cached[key] = block
         block.key = key
+        block.tokens = tokens
         return True
 
     def reset_prefix_cache(self) -> int:
@@ -242,6 +297,7 @@ class BlockPool:
         for block in self.cached.values():
             block.key = None
         self.cached.clear()
+        self.idle_checkpoints.clear()
         if self.events is not None:
             self.events.append(AllBlocksCleared())
         return n
@@ -290,6 +346,10 @@ class BlockPool:
                 tail = self.blocks[page]
                 assert tail.ref_cnt == 1 and tail.key is None and tail.pages is None, f"{tail} is a bad tail of {head}"
         assert tails == self.queued_tails, f"queued tails {self.queued_tails}, counted {tails}"
+        idle = {b.block_id for b in self.bundle_heads() if b.block_id in in_queue and b.key is not None}
+        assert set(self.idle_checkpoints) == idle, "idle checkpoints are mis-tracked"
+        bound = self.max_idle_checkpoints
+        assert bound is None or len(idle) <= bound, f"{len(idle)} idle checkpoints, bound {bound}"
         for key, block in self.cached.items():
             assert block.key == key, f"{block} is cached under a key it does not carry"
         assert sum(b.key is not None for b in self.blocks) == len(self.cached), "a block carries a stale key"

@@ -106,7 +106,7 @@ class StateManager(GroupManager):
                 continue
             if e == last:
                 tokens = held[e] = end  # computed reached the table's end: the live state is after exactly `end`
-            if tokens == end and self.pool.cache_block(table[e], hashes[e], self.group_id):
+            if tokens == end and self.pool.cache_block(table[e], hashes[e], self.group_id, tokens=end):
                 entered.append(e)
         if entered and self.pool.events is not None:
             log_stored(self.pool.events, sorted(entered), hashes, token_ids, self.block_size, self.group_id)

@@ -49,12 +49,14 @@ def test_a_spare_bundle_is_taken_whole_and_dissolved_only_before_a_cached_block_
     pool.check_integrity()
 
 
+@pytest.mark.parametrize("bound", [None, 1])
 @pytest.mark.parametrize("seed", range(5))
-def test_random_bundles_and_blocks_keep_the_free_count_exact(seed):
+def test_random_bundles_and_blocks_keep_the_free_count_exact(seed, bound):
     """Bundles of 3 and single blocks, cached or not, freed, revived and evicted at random in a small pool:
-    after every operation the invariants hold and used + free blocks account for the whole pool."""
+    after every operation the invariants hold and used + free blocks account for the whole pool (also with at
+    most one idle checkpoint: the bound's evictions keep the count exact)."""
     rng = random.Random(seed)
-    pool = BlockPool(24)
+    pool = BlockPool(24, max_idle_checkpoints=bound)
     held: list = []
     next_key = 0
     for _ in range(400):
@@ -66,7 +68,7 @@ def test_random_bundles_and_blocks_keep_the_free_count_exact(seed):
         elif op < 0.65 and held:
             block = rng.choice(held)
             next_key += 1
-            pool.cache_block(block, key(next_key), 1 if block.pages else 0)
+            pool.cache_block(block, key(next_key), 1 if block.pages else 0, tokens=16 * rng.randrange(1, 9))
         elif op < 0.85 and held:
             block = held.pop(rng.randrange(len(held)))
             pool.free_blocks([block])
@@ -82,3 +84,44 @@ def test_random_bundles_and_blocks_keep_the_free_count_exact(seed):
         pool.free_blocks([block])
     pool.check_integrity()
     assert pool.num_free_blocks == 23
+
+
+def _idle_checkpoints(pool: BlockPool, depths: list[int], first_key: int = 0) -> list:
+    """Bundles of 2 cached as checkpoints after `depths` tokens, freed in that order (oldest first)."""
+    heads = [pool.get_new_bundle(2) for _ in depths]
+    for i, (head, tokens) in enumerate(zip(heads, depths, strict=True)):
+        assert pool.cache_block(head, key(first_key + i), 1, tokens=tokens)
+    for head in heads:
+        pool.free_blocks([head])
+    return heads
+
+
+def test_past_the_bound_the_checkpoint_saving_the_least_compute_per_byte_goes():
+    """Score = recency rank in [0, 1] + tokens / deepest (Marconi's rule; bundles are equal in bytes)."""
+    pool = BlockPool(20, max_idle_checkpoints=2)
+    deep, shallow, mid = _idle_checkpoints(pool, [48, 16, 32])
+    # scores at the third free: deep 0 + 1, shallow 0.5 + 1/3, mid 1 + 2/3: the shallow one goes, not the oldest
+    assert set(pool.idle_checkpoints) == {deep.block_id, mid.block_id} and pool.checkpoints_dropped == 1
+    assert shallow.key is None and shallow.pages is None and (key(1), 1) not in pool.cached
+    assert pool.num_free_blocks == 19  # the dropped bundle's blocks are free (uncached) ones now
+    pool.check_integrity()
+    # A hit on the deep one revives it; freed again it is the newest: now `mid` (old, shallower) goes.
+    pool.touch([deep])
+    later = _idle_checkpoints(pool, [40], first_key=10)[0]
+    pool.free_blocks([deep])
+    assert set(pool.idle_checkpoints) == {later.block_id, deep.block_id} and pool.checkpoints_dropped == 2
+    pool.check_integrity()
+
+
+def test_equal_depths_drop_the_least_recent_and_a_refresh_counts_as_use():
+    pool = BlockPool(20, max_idle_checkpoints=2)
+    a, _ = _idle_checkpoints(pool, [32, 32])
+    pool.refresh([a])  # a hit's path: `a` is now the most recent
+    c = _idle_checkpoints(pool, [32], first_key=10)[0]
+    assert set(pool.idle_checkpoints) == {a.block_id, c.block_id}
+    zero = BlockPool(20, max_idle_checkpoints=0)  # no idle checkpoint is kept at all
+    _idle_checkpoints(zero, [16, 32])
+    assert not zero.idle_checkpoints and not zero.cached and zero.num_free_blocks == 19
+    zero.check_integrity()
+    with pytest.raises(ValueError, match="max_idle_checkpoints"):
+        BlockPool(4, max_idle_checkpoints=-1)
