@@ -104,6 +104,26 @@ def test_checkpoint_memory_is_reported(hybrid_checkpoint):
     assert stats.state_blocks_used == 0  # the request finished: only the pool's cache holds the checkpoint
 
 
+def test_the_bound_on_idle_checkpoints_holds_and_hits_stay_exact(hybrid_checkpoint, hybrid_reference):
+    """state_cache_memory of one checkpoint: the pool never keeps more idle, the bound drops the others, a prompt
+    sharing a prefix with the one before still resumes, and every answer keeps its bits. A negative bound is
+    refused."""
+    entry = engine(hybrid_checkpoint).engine.plan.state.bytes_per_request
+    llm = engine(hybrid_checkpoint, state_cache_memory=entry)
+    pool = llm.engine.kv.pool
+    got = []
+    for p in prompts():
+        got += generate(llm, [p])
+        assert len(pool.idle_checkpoints) <= 1
+        pool.check_integrity()
+    stats = llm.engine.stats()
+    assert pool.checkpoints_dropped > 0 and stats.state_checkpoint_bytes <= entry, stats
+    assert stats.prefix_hit_tokens > 0, stats  # the newest checkpoint (deepest, most recent) stays to be hit
+    assert_same_bits(got, hybrid_reference)
+    with pytest.raises(ValueError, match="state_cache_memory"):
+        engine(hybrid_checkpoint, state_cache_memory=-1)
+
+
 def test_a_token_budget_below_the_split_unit_is_refused_with_the_fix(hybrid_checkpoint):
     with pytest.raises(ValueError, match="raise it to at least"):
         engine(hybrid_checkpoint, max_num_batched_tokens=16)
