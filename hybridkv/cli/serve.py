@@ -63,7 +63,8 @@ def serve(
         str,
         typer.Option(
             help="recurrent-state models: where prefill chunks end so the state there is cached: prompt_end "
-            "(at the branch point and at the prompt's last whole split unit, for follow-up turns) | last_unit | "
+            "(at the branch point and at the prompt's last whole split unit, for follow-up turns) | turn_end (also "
+            "the answer's last whole unit, published by a background prefill when idle) | last_unit | "
             "chunk_end | none"
         ),
     ] = "prompt_end",

@@ -19,7 +19,9 @@ Two policies, picked by the engine (`exact_unit`):
   leaves what the attention groups have cached: a shared system prompt, a conversation another request
   continues; SGLang's branching_seqlen) and at A * floor(P1 / A), so that a follow-up request (the next turn of
   a chat) resumes there; "last_unit" only at A * floor(P1 / A) (SGLang's extra buffer: a shared prefix followed
-  by a longer suffix gets no checkpoint); "chunk_end" only where the budget ends them (vLLM's "align" mode);
+  by a longer suffix gets no checkpoint); "turn_end" is prompt_end plus, once a request ends, a background
+  prefill of prompt + answer that publishes the answer's last whole unit (`turn_end`: the next turn resumes
+  after the previous answer); "chunk_end" only where the budget ends them (vLLM's "align" mode);
   "none" publishes nothing (no prefix caching of states, the baseline).
 """
 
@@ -38,7 +40,7 @@ from hybridkv.models.registry import model_class
 from hybridkv.request.state import Request
 from hybridkv.runner.step_index import EXACT_TILE
 
-CHECKPOINT_POLICIES = ("prompt_end", "last_unit", "chunk_end", "none")
+CHECKPOINT_POLICIES = ("prompt_end", "turn_end", "last_unit", "chunk_end", "none")
 
 
 class FreeChunks:
@@ -76,6 +78,7 @@ class ExactChunks:
         stops = {
             # the branch point first (a later request sharing the cached history resumes there), then the prompt end
             "prompt_end": (req.branch_tokens - req.branch_tokens % self.align, last - last % self.align),
+            "turn_end": (req.branch_tokens - req.branch_tokens % self.align, last - last % self.align),
             "last_unit": (last - last % self.align,),
         }.get(self.checkpoints, ())
         for stop in stops:

@@ -23,6 +23,7 @@ from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
 from hybridkv.engine.stats import EngineStats
 from hybridkv.engine.tokenizer import Tokenizer, eos_token_ids
+from hybridkv.engine.turn_end import turn_end_request
 from hybridkv.events.publisher import ZmqEventPublisher
 from hybridkv.kv.coordinator import KVCacheCoordinator
 from hybridkv.kv.events import MEDIUM_GPU, KVEventLog
@@ -96,6 +97,10 @@ class LLMEngine:
         chunking = FreeChunks()
         if self.exact_unit is not None:
             chunking = ExactChunks(self.exact_unit, config.state_checkpoints)
+        # turn_end: a finished turn's prompt + answer is published in the background (`engine/turn_end.py`)
+        self.publishes_turns = (
+            config.state_checkpoints == "turn_end" and self.plan.state is not None and config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.kv,
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len),
@@ -307,13 +312,17 @@ class LLMEngine:
             logger.warning("request %s failed: %s", reqs[i].request_id, reason)
             reqs[i].error = reason
             self.scheduler.finish(reqs[i].request_id, RequestStatus.FINISHED_ERROR)
-            finished.append(reqs[i])
+            if not reqs[i].background:
+                finished.append(reqs[i])
         wants = [i for i, r in enumerate(reqs) if r.logprobs is not None]
         if wants:
             rows = token_logprobs(logits[wants], [tokens[i] for i in wants], [reqs[i].params.logprobs for i in wants])
             for i, row in zip(wants, rows):
                 reqs[i].logprobs.append(row)
         for req in self.scheduler.update(output, dict(zip(req_ids, tokens))):
+            if req.background:  # its prompt is computed and published: done (`turn_end`)
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_LENGTH)
+                continue
             token = req.output_token_ids[-1]
             if req.grammar is not None and not req.grammar.accept(token):
                 req.error = f"structured output: token {token} broke the constraint: {req.grammar.error}"
@@ -326,6 +335,10 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish(req.request_id, status)
                 finished.append(req)
+                if self.publishes_turns:
+                    publish = turn_end_request(req, self.exact_unit, self.max_model_len)
+                    if publish is not None:
+                        self.scheduler.add_background(publish)
         return self._collect(finished)
 
     def _poll_connector(self) -> list[Request]:

@@ -75,6 +75,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
+        self.background: deque[Request] = deque()  # admitted only when nothing else waits or runs
+        self.background_dropped = 0  # background requests dropped instead of preempted
         self.requests: dict[str, Request] = {}
         self._prompt_counted: set[str] = set()  # requests whose prompt is in stats.prompt_tokens
         self.num_preemptions = 0
@@ -87,11 +89,22 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
+    def add_background(self, req: Request) -> None:
+        """Queue an engine-internal request (`Request.background`): it waits until the scheduler is idle."""
+        check_prompt(req.all_token_ids, self.config.max_model_len)
+        req.background = True
+        self.background.append(req)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_kv)
+        return bool(self.waiting or self.running or self.waiting_for_kv or self.background)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
+        if req.background:  # never recomputed ahead of a user's request: dropped
+            del self.requests[req.request_id]
+            req.status = RequestStatus.FINISHED_ABORTED
+            self.background_dropped += 1
+            return
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -116,6 +129,11 @@ class Scheduler:
         )
 
     def schedule(self) -> SchedulerOutput:
+        if self.background and not (self.waiting or self.running or self.waiting_for_kv):
+            req = self.background.popleft()  # idle: one background request runs like any other
+            if req.request_id not in self.requests:  # (a user's request took its id meanwhile: dropped)
+                self.requests[req.request_id] = req
+                self.waiting.append(req)
         out = self._schedule(reserve=True)
         if not out.chunks and not out.preempted and self.running:
             # The budget was kept for a queue head that cannot be admitted (the running requests hold the blocks
@@ -187,6 +205,8 @@ class Scheduler:
         self.waiting.popleft()
         if req.scheduled_time is None:
             req.scheduled_time = time.monotonic()
+        if req.background:
+            return
         self.stats.prefix_query_tokens += req.num_tokens
         self.stats.prefix_hit_tokens += hit.num_tokens
         if req.request_id not in self._prompt_counted:
@@ -262,7 +282,7 @@ class Scheduler:
             if not chunk.sample:
                 continue
             req.append_token(sampled[req.request_id])
-            self.stats.generation_tokens += 1
+            self.stats.generation_tokens += not req.background
             extended.append(req)
         return extended
 

@@ -69,6 +69,9 @@ class Request:
         self.error: str | None = None
         # Recurrent-state plans: a prefill chunk also ends here (where the prompt branches off cached history).
         self.branch_tokens = 0
+        # A turn-end publish (`engine/turn_end.py`): the engine's own request, run while the engine is otherwise
+        # idle, counted in no statistic and returned to nobody.
+        self.background = False
         self.final_text: str | None = None  # the output as text once it finished (the engine's detokenizer)
         self.grammar: GrammarMatcher | None = None  # structured output: has consumed exactly output_token_ids
         self._update_hashes()

@@ -7,6 +7,7 @@ that relies on a fast path also checks that the path ran (a hit, a preemption)."
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -61,6 +62,44 @@ def test_a_follow_up_turn_resumes_in_the_prompt_and_equals_its_run_alone(hybrid_
     assert llm.engine.stats().prefix_hit_tokens - hits == 128  # turn 1's prompt-end checkpoint, not beyond
     (want,) = generate(engine(hybrid_checkpoint, enable_prefix_caching=False), [follow])
     assert_same_bits([got], [want])
+
+
+def test_turn_end_lets_the_follow_up_resume_after_the_answer_with_the_same_bits(hybrid_checkpoint):
+    """turn_end: once turn 1 ends, a background prefill of prompt + answer publishes the answer's last whole
+    unit; turn 2 resumes there (past turn 1's prompt-end checkpoint at 128) and equals its run alone. The
+    background request is returned to nobody and counted in no statistic."""
+    llm = engine(hybrid_checkpoint, state_checkpoints="turn_end")
+    unit = llm.engine.plan.state.align
+    first = prompts()[0]
+    outs = llm.generate([first], replace(GREEDY, max_tokens=80))
+    answer = list(outs[0].outputs[0].token_ids)
+    assert len(outs) == 1 and llm.engine.stats().prefix_query_tokens == len(first)  # the background: no stat
+    follow = first + answer + [11, 12, 13] * 10
+    hits = llm.engine.stats().prefix_hit_tokens
+    (got,) = generate(llm, [follow])
+    resumed = llm.engine.stats().prefix_hit_tokens - hits
+    assert resumed == (len(first) + len(answer) - 1) // unit * unit > 128, resumed
+    (want,) = generate(engine(hybrid_checkpoint, enable_prefix_caching=False), [follow])
+    assert_same_bits([got], [want])
+
+
+def test_a_turn_end_publish_only_when_the_answer_adds_a_unit():
+    from hybridkv.engine.turn_end import turn_end_request
+    from hybridkv.request.sampling_params import SamplingParams
+    from hybridkv.request.state import Request, RequestStatus
+
+    req = Request("r", list(range(4, 104)), SamplingParams(max_tokens=100), 16)  # P = 100
+    for _ in range(20):
+        req.append_token(7)
+    req.status = RequestStatus.FINISHED_LENGTH
+    assert turn_end_request(req, 64, 4096) is None  # T - 1 = 119: unit 64 ends at 64 as P1 did, nothing new
+    assert turn_end_request(req, 16, 4096) is not None  # unit 16: 96 -> 112
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert turn_end_request(req, 16, 4096) is None  # only turns that ended normally
+    req.status = RequestStatus.FINISHED_STOPPED
+    publish = turn_end_request(req, 16, 4096)
+    assert publish is not None and publish.all_token_ids == req.all_token_ids and publish.params.max_tokens == 1
+    assert turn_end_request(req, 16, 120) is None  # as long as the model allows: no room for the publish
 
 
 @pytest.mark.parametrize("policy", ["prompt_end", "last_unit"])
