@@ -98,13 +98,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv or self.background)
 
+    def _drop_background(self, req: Request) -> None:
+        """A background request yields: ended where it is (what it published stays cached), never requeued."""
+        self.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
+        self.background_dropped += 1
+
     def _preempt(self, req: Request) -> None:
+        if req.background:
+            return self._drop_background(req)
         self.kv.free(req.request_id)
-        if req.background:  # never recomputed ahead of a user's request: dropped
-            del self.requests[req.request_id]
-            req.status = RequestStatus.FINISHED_ABORTED
-            self.background_dropped += 1
-            return
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -129,6 +131,9 @@ class Scheduler:
         )
 
     def schedule(self) -> SchedulerOutput:
+        if any(not r.background for r in self.waiting):  # a user's request waits: background work yields
+            for req in [r for r in (*self.running, *self.waiting) if r.background]:
+                self._drop_background(req)
         if self.background and not (self.waiting or self.running or self.waiting_for_kv):
             req = self.background.popleft()  # idle: one background request runs like any other
             if req.request_id not in self.requests:  # (a user's request took its id meanwhile: dropped)

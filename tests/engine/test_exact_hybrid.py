@@ -83,6 +83,29 @@ def test_turn_end_lets_the_follow_up_resume_after_the_answer_with_the_same_bits(
     assert_same_bits([got], [want])
 
 
+def test_a_turn_end_publish_yields_to_a_user_request(hybrid_checkpoint):
+    """The background prefill runs only while the engine is idle: a request arriving meanwhile ends it (what it
+    published stays), and that request's answer is the one it gets alone."""
+    llm = engine(hybrid_checkpoint, state_checkpoints="turn_end", max_num_batched_tokens=64)
+    eng = llm.engine
+    first = prompts()[0]
+    eng.add_request(first, replace(GREEDY, max_tokens=140))
+    while not eng.scheduler.background:
+        eng.step()
+    eng.step()  # the background request admitted: its first 64-token chunk
+    (bg,) = eng.scheduler.running
+    assert bg.background and bg.num_computed_tokens > 0
+    other = prompts()[1]
+    req = eng.add_request(other, GREEDY)
+    eng.step()
+    assert eng.scheduler.background_dropped == 1 and bg not in eng.scheduler.running
+    while eng.has_unfinished():
+        eng.step()
+    eng.stats(check_integrity=True)
+    want = engine(hybrid_checkpoint, enable_prefix_caching=False).generate([other], GREEDY)[0].outputs[0]
+    assert req.output_token_ids == list(want.token_ids)
+
+
 def test_a_turn_end_publish_only_when_the_answer_adds_a_unit():
     from hybridkv.engine.turn_end import turn_end_request
     from hybridkv.request.sampling_params import SamplingParams
