@@ -2,18 +2,19 @@
 
 A finished request's answer was computed one token at a time, and a prompt computes the same tokens in whole
 split units: their states differ in bits, so decode-path states are never published (`chunking`). Instead, once
-a request finishes, the engine queues a *background* request whose prompt is the whole conversation so far,
-prompt + answer (T tokens). Like any prompt it resumes from the cached prompt-end checkpoint and computes
-[A * floor((P - 1) / A), T) in whole units, publishing every block and state up to A * floor((T - 1) / A):
-exactly what the next turn's prefill would compute there, moved to when the engine is idle.
+a request finishes with T = prompt + answer tokens, the engine queues a *background* request whose prompt is the
+conversation's first E = A * floor(T / A) tokens and one filler token (the token a prompt's last position
+computes alone; its KV is never published). Like any prompt it resumes from the cached prompt-end checkpoint and
+computes [A * floor((P - 1) / A), E) in whole units, publishing every block and the state at E: exactly what the
+next turn's prefill computes there, moved to when the engine is idle.
 
-    turn 1   | prompt (P)                  | answer |
-    publish  | hit to A*floor((P-1)/A) ... | computed in units -> checkpoint at A*floor((T-1)/A)
-    turn 2   | prompt + answer + user      -> resumes at A*floor((T-1)/A)
+    turn 1   | prompt (P)                   | answer      |
+    publish  | hit to A*floor((P-1)/A) .. E | + filler       -> checkpoint at E = A*floor(T/A)
+    turn 2   | prompt + answer + user          -> resumes at E
 
-The background request runs only while nothing else waits or runs, is dropped rather than preempted, counts in
-no statistic and is returned to nobody (`Scheduler.add_background`). Only for turns that add at least one split
-unit past the prompt's last checkpoint.
+The background request runs only while nothing else waits or runs, yields (is dropped) as soon as a user's
+request waits, counts in no statistic and is returned to nobody (`Scheduler.add_background`). Only for turns
+whose E lies past the prompt's last checkpoint.
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ PUBLISH = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
 
 def turn_end_request(req: Request, align: int, max_model_len: int) -> Request | None:
-    """The background request that publishes `req`'s conversation up to its answer's last whole unit, or None
-    when there is nothing new to publish (the answer ends inside the prompt's last unit, the request did not end
-    normally, or the conversation is as long as the model allows)."""
+    """The background request that publishes `req`'s conversation up to E = align * floor(T / align), or None
+    when there is nothing new to publish (E is not past the prompt's last checkpoint) or the request did not end
+    normally."""
     if req.status not in ENDED or req.background:
         return None
     tokens = req.all_token_ids
     before = (req.num_prompt_tokens - 1) // align * align
-    after = (len(tokens) - 1) // align * align
-    if after <= before or len(tokens) >= max_model_len:
+    end = len(tokens) // align * align
+    if end <= before or end + 1 > max_model_len:
         return None
-    return Request(f"{req.request_id}#turn-end", tokens, PUBLISH, req.block_size, cache_salt=req.cache_salt)
+    filler = tokens[0]  # any id of the vocabulary: only its logits are computed, and thrown away
+    return Request(
+        f"{req.request_id}#turn-end", [*tokens[:end], filler], PUBLISH, req.block_size, cache_salt=req.cache_salt
+    )

@@ -78,7 +78,7 @@ def test_turn_end_lets_the_follow_up_resume_after_the_answer_with_the_same_bits(
     hits = llm.engine.stats().prefix_hit_tokens
     (got,) = generate(llm, [follow])
     resumed = llm.engine.stats().prefix_hit_tokens - hits
-    assert resumed == (len(first) + len(answer) - 1) // unit * unit > 128, resumed
+    assert resumed == (len(first) + len(answer)) // unit * unit > 128, resumed
     (want,) = generate(engine(hybrid_checkpoint, enable_prefix_caching=False), [follow])
     assert_same_bits([got], [want])
 
@@ -113,16 +113,22 @@ def test_a_turn_end_publish_only_when_the_answer_adds_a_unit():
 
     req = Request("r", list(range(4, 104)), SamplingParams(max_tokens=100), 16)  # P = 100
     for _ in range(20):
-        req.append_token(7)
+        req.append_token(7)  # T = 120
     req.status = RequestStatus.FINISHED_LENGTH
-    assert turn_end_request(req, 64, 4096) is None  # T - 1 = 119: unit 64 ends at 64 as P1 did, nothing new
-    assert turn_end_request(req, 16, 4096) is not None  # unit 16: 96 -> 112
+    assert turn_end_request(req, 128, 4096) is None  # P - 1 = 99 -> 0, T = 120 -> 0: nothing new
+    publish = turn_end_request(req, 16, 4096)  # 96 -> 112
+    assert publish is not None and publish.all_token_ids == req.all_token_ids[:112] + [4]
+    assert publish.params.max_tokens == 1
+    req.append_token(7)
+    req.append_token(7)
+    req.append_token(7)
+    req.append_token(7)  # T = 124
+    assert turn_end_request(req, 62, 4096).all_token_ids[:124] == req.all_token_ids  # E = T: a whole unit
     req.status = RequestStatus.FINISHED_ABORTED
     assert turn_end_request(req, 16, 4096) is None  # only turns that ended normally
     req.status = RequestStatus.FINISHED_STOPPED
-    publish = turn_end_request(req, 16, 4096)
-    assert publish is not None and publish.all_token_ids == req.all_token_ids and publish.params.max_tokens == 1
-    assert turn_end_request(req, 16, 120) is None  # as long as the model allows: no room for the publish
+    assert turn_end_request(req, 16, 4096) is not None
+    assert turn_end_request(req, 16, 112) is None  # E + the filler must fit max_model_len
 
 
 @pytest.mark.parametrize("policy", ["prompt_end", "last_unit"])
