@@ -134,9 +134,15 @@ class KVConnector:
         a time). Stores must finish copying before returning, or hold the blocks: the next step may reuse freed
         ones."""
 
+    def hands_off_prompt(self, req: Request) -> bool:
+        """Whether a remote reader may resume `req` at its last prompt token: the scheduler then keeps its
+        recurrent state before that token aside while it decodes on (`KVCacheCoordinator.keep_state`)."""
+        return False
+
     def request_finished(self, req: Request, block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
-        """Called once per finished request before its blocks are freed. Returns (hold the blocks until
-        `released`, kv_transfer_params for the client)."""
+        """Called once per finished request before its blocks are freed; `block_ids` hold, in the state group,
+        the state kept for a remote reader (`hands_off_prompt`). Returns (hold the blocks until `released`,
+        kv_transfer_params for the client)."""
         return False, None
 
     def abort(self, request_id: str) -> bool:

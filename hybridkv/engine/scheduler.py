@@ -169,6 +169,7 @@ class Scheduler:
             if n == 0:  # no aligned chunk fits the rest of the budget: next step
                 i += 1
                 continue
+            self._keep_prompt_state(req, req.num_computed_tokens)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n, req.num_computed_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -191,6 +192,7 @@ class Scheduler:
                     break
                 continue
             n = self.chunking.chunk_len(req, hit.num_tokens, budget)
+            self._keep_prompt_state(req, hit.num_tokens)
             if n == 0 or not self.kv.allocate(req.request_id, hit.num_tokens + n, hit.num_tokens, hit):
                 break
             self._admitted(req, hit)
@@ -200,6 +202,17 @@ class Scheduler:
             chunks.append(self._chunk(req, n))
             budget -= n
         return SchedulerOutput(chunks, preempted)
+
+    def _keep_prompt_state(self, req: Request, start: int) -> None:
+        """A chunk from `start`: if it runs the last prompt token of a request a remote reader resumes there, and
+        decodes on after it, its state before that token is kept aside (a last token writes no state: `_chunk`)."""
+        if (
+            start == req.num_prompt_tokens - 1
+            and req.params.max_tokens > 1
+            and self.connector is not None
+            and self.connector.hands_off_prompt(req)
+        ):
+            self.kv.keep_state(req.request_id, start)
 
     def _num_admitted(self) -> int:
         """Requests that hold blocks and will run: those waiting for a KV load count with the running ones."""
@@ -310,7 +323,8 @@ class Scheduler:
             # No token is computed any more; a reader (a decoder) resumes at the last prompt token, which it
             # computes itself: the sliding blocks before that token's window go now, not at the lease's end.
             self.kv.remove_skipped_blocks(request_id, reusable_tokens(req.num_prompt_tokens))
-            hold, req.kv_transfer_params_out = self.connector.request_finished(req, self.kv.block_ids(request_id))
+            tables = self.kv.reader_block_ids(request_id)
+            hold, req.kv_transfer_params_out = self.connector.request_finished(req, tables)
         if not hold:
             self.kv.free(request_id)
         return req

@@ -150,11 +150,28 @@ class KVCacheCoordinator:
         """Per group, the request's block table (0 marks an entry outside the window)."""
         return [m.block_ids(req_id) for m in self.managers]
 
+    def keep_state(self, req_id: str, num_tokens: int) -> None:
+        """Keep `req_id`'s recurrent state after `num_tokens` tokens aside from the step that starts there on (a
+        PD prefill's state before its last prompt token, while it decodes on); a no-op without a state group."""
+        if self.state_manager is not None:
+            self.state_manager.keep(req_id, num_tokens)
+
+    def reader_block_ids(self, req_id: str) -> list[list[int]]:
+        """`block_ids`, with the state kept aside (`keep_state`) in its entry: what a remote reader of the
+        request's prompt reads."""
+        tables = self.block_ids(req_id)
+        kept = self.state_manager.kept_entry(req_id) if self.state_manager is not None else None
+        if kept is not None:
+            entry, head = kept
+            tables[self.state_manager.group_id][entry] = head
+        return tables
+
     def blocks_held_per_group(self) -> list[int]:
         """Distinct blocks each group's tables hold (shared prefix blocks count once; a bundle counts its pages)."""
         null = self.pool.null_block
         return [
-            len({id(b) for t in m.tables.values() for b in t if b is not null}) * m.pages_per_entry
+            len({id(b) for t in (*m.tables.values(), m.blocks_outside_tables()) for b in t if b is not null})
+            * m.pages_per_entry
             for m in self.managers
         ]
 
@@ -192,6 +209,9 @@ class KVCacheCoordinator:
                         continue
                     refs[b.block_id] += 1
                     assert owner.setdefault(b.block_id, m.group_id) == m.group_id, f"{b} serves two groups"
+            for b in m.blocks_outside_tables():
+                refs[b.block_id] += 1
+                assert owner.setdefault(b.block_id, m.group_id) == m.group_id, f"{b} serves two groups"
         refs.update(self.pool.tail_ids())  # a bundle's tails: one reference each, their head's
         for b in self.pool.blocks[1:]:
             assert b.ref_cnt == refs[b.block_id], f"{b} has {refs[b.block_id]} holders"

@@ -54,6 +54,10 @@ class GroupManager:
         self.ids: dict[str, list[int]] = {}  # the tables' block ids, kept in step with `tables`
         self.num_cached: dict[str, int] = {}  # entries [0, n) were published to the cache map (or are null)
 
+    def blocks_outside_tables(self) -> list[Block]:
+        """Blocks this group holds besides its tables (none for the attention kinds)."""
+        return []
+
     def find_longest_hit(self, hashes: Sequence[BlockHash], max_blocks: int) -> list[Block]:
         """Blocks for the longest cached prefix of at most `max_blocks` blocks that this group can resume
         from; entries the next token never reads are the null block."""

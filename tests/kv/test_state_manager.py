@@ -201,3 +201,33 @@ def test_a_hit_refreshes_the_cached_checkpoints_on_its_path():
     assert order.index(at_32.block_id) > order.index(later.block_id), "the checkpoint on the path was not refreshed"
     c.free("b")
     c.check_integrity()
+
+
+@pytest.mark.parametrize("prompt", [101, 113])  # the last prompt token inside a block, and first in a new one
+def test_a_kept_state_leaves_the_table_and_the_next_step_writes_a_fresh_bundle(prompt):
+    """A PD prefill that decodes on: its state before the last prompt token stays for the reader (`keep_state`)."""
+    c = coordinator()
+    hashes = hash_blocks(tokens(200), BS)
+    p1 = prompt - 1
+    assert c.allocate("a", p1, 0)
+    before = c.state_entries("a", 0, p1)[1]  # the bundle holding the state after p1 tokens
+    c.keep_state("a", p1)
+    need = sum(m.num_blocks_to_allocate("a", prompt, (), p1) for m in c.managers)
+    free = c.pool.num_free_blocks
+    step(c, "a", hashes, p1, 1)
+    assert need == free - c.pool.num_free_blocks == 3 + (prompt == 113)  # a fresh bundle (+ an attention block)
+    source, dest = c.state_entries("a", p1, prompt)
+    assert source == before and dest not in (0, before)  # read from the kept bundle, written elsewhere
+    assert c.reader_block_ids("a")[1][(p1 - 1) // BS] == before
+    assert before not in c.block_ids("a")[1]
+    for computed in range(prompt, prompt + 20):  # decoding on never touches it, in place or across blocks
+        step(c, "a", hashes, computed, 1)
+        assert before not in c.state_entries("a", computed, computed + 1)
+        assert c.reader_block_ids("a")[1][(p1 - 1) // BS] == before
+    c.keep_state("a", p1)  # asked again (a later step): nothing changes
+    step(c, "a", hashes, prompt + 20, 1)
+    assert c.reader_block_ids("a")[1][(p1 - 1) // BS] == before
+    assert c.blocks_held_per_group()[1] == 2 * 3  # the live bundle and the kept one
+    c.free("a")
+    c.check_integrity()
+    assert c.pool.num_used_blocks == 0

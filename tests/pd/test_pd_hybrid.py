@@ -1,6 +1,7 @@
 """PD on recurrent-state hybrids (tiny random Qwen3.5 and Nemotron-H): the state travels with the KV, and the
 answer through the proxy is the single instance's to the bit (text and every token's logprob), across layouts,
-and again when the decoder already holds a prefix of the prompt (it still pulls the state at the prompt's end)."""
+and again when the decoder already holds a prefix of the prompt (it still pulls the state at the prompt's end),
+and when the prefill generated more than one token (its state before the last prompt token was kept aside)."""
 
 from __future__ import annotations
 
@@ -57,14 +58,14 @@ def test_through_the_proxy_equals_one_instance_bit_for_bit(hybrid, layouts):
         with transfers(d, at_least=3) as again:
             assert through(x.url, PROMPTS[2:]) == want[2:]
         assert again["bytes"] < first["bytes"]
-        # A prefill that generates more than its one token moved its state past the decoder's resume point: it
-        # hands out no lease (the decoder would compute the prompt itself).
-        assert (
-            complete(p.url, PROMPTS[3], max_tokens=2, kv_transfer_params={"do_remote_decode": True}).get(
-                "kv_transfer_params"
-            )
-            is None
-        )
+        # A prefill that decodes on after its first token (not the proxy's max_tokens 1) keeps its state before
+        # the last prompt token aside for the decoder (`keep_state`): the decoder still reads and equals one run.
+        lease = complete(p.url, PROMPTS[3], max_tokens=5, kv_transfer_params={"do_remote_decode": True})
+        assert lease["kv_transfer_params"] is not None
+        with transfers(d, reads=1) as moved:
+            out = complete(d.url, PROMPTS[3], logprobs=0, kv_transfer_params=lease["kv_transfer_params"])
+        assert (out["choices"][0]["text"], out["choices"][0]["logprobs"]["token_logprobs"]) == want[3]
+        assert moved["external_hit_tokens"] > 0
         assert_clean(p, d)
     finally:
         for proc in (x, p, d):

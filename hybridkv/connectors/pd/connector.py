@@ -180,16 +180,12 @@ class NixlConnector(KVConnector):
         return released
 
     # ---- producer side -------------------------------------------------------------------------------------
+    def hands_off_prompt(self, req: Request) -> bool:
+        # A decoder resumes from the recurrent state before the last prompt token, which later tokens move on.
+        return self.plan.state is not None and isinstance(req.kv_transfer_params, RemoteDecode)
+
     def request_finished(self, req: Request, block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
         if not isinstance(req.kv_transfer_params, RemoteDecode) or not finished_ok(req):
-            return False, None
-        if self.plan.state is not None and req.params.max_tokens != 1:
-            # The decoder resumes from the recurrent state before the last prompt token, which the scheduler
-            # keeps only when that token ends the request (max_tokens 1, as the proxy sends): later tokens
-            # moved it on.
-            logger.warning("request %s: not leased, a prefill for a remote decoder of a recurrent-state model "
-                           "needs max_tokens 1 (got %d); its decoder computes the prompt", req.request_id,
-                           req.params.max_tokens)  # fmt: skip
             return False, None
         held = sum((b != 0) * g.pages_per_entry for g, table in zip(self.plan.groups, block_ids) for b in table)
         if self.leases.blocks + held > MAX_LEASED_FRACTION * self.plan.num_blocks:
