@@ -117,7 +117,8 @@ class Scheduler:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
         # The token that reaches max_tokens ends the request: no later token reads the recurrent state after it,
-        # and a PD reader of a prefill (max_tokens 1) needs the state before its last prompt token, kept as it was.
+        # and a PD reader of a prefill (max_tokens 1) needs the state before its last prompt token, kept as it was
+        # (with max_tokens > 1 that state is kept aside instead: `_keep_prompt_state`).
         last = sample and len(req.output_token_ids) + 1 >= req.params.max_tokens
         return ScheduledChunk(
             req.request_id,
