@@ -85,7 +85,8 @@ def main() -> None:
     for layout, length, one, pd, (nbytes, descs), sent in rows:
         kv, state = needed_bytes(folder, length)
         print(f"{layout:>11}{length:>11}{one * 1e3:>9.0f}ms{pd * 1e3:>9.0f}ms{pd / one:>11.2f}{nbytes / 1e6:>11.3f}"
-              f"{kv / 1e6:>11.3f}{state / 1e6:>11.3f}{nbytes / (kv + state):>11.3f}{descs:>11.0f}{sent:>11}")  # fmt: skip
+              f"{kv / 1e6:>11.3f}{state / 1e6:>11.3f}{nbytes / (kv + state):>11.3f}{descs:>11.0f}"
+              f"{sent:>11}")  # fmt: skip
 
 
 if __name__ == "__main__":
