@@ -79,8 +79,19 @@ def main() -> None:
             for proc in (x, p, d):
                 proc.stop()
     print(f"Qwen3.5 {args.shape} random, float32; per request: bytes read by the decoder vs needed (KV + state)")
-    head = ("layout", "prompt", "TTFT one", "TTFT PD", "ratio", "MB moved", "KV MB", "state MB", "moved/need", "descs",
-            "params B")
+    head = (
+        "layout",
+        "prompt",
+        "TTFT one",
+        "TTFT PD",
+        "ratio",
+        "MB moved",
+        "KV MB",
+        "state MB",
+        "moved/need",
+        "descs",
+        "params B",
+    )
     print("".join(f"{h:>11}" for h in head))
     for layout, length, one, pd, (nbytes, descs), sent in rows:
         kv, state = needed_bytes(folder, length)
