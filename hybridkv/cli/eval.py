@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from hybridkv.cli.options import MambaSsmCacheDtype
 from hybridkv.kv.layout import KV_LAYOUTS
 
 
@@ -23,6 +24,7 @@ def evaluate(
     kv_layout: Annotated[str, typer.Option(help=" | ".join(KV_LAYOUTS))] = "auto",
     enable_prefix_caching: Annotated[bool, typer.Option()] = True,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads")] = None,
+    mamba_ssm_cache_dtype: MambaSsmCacheDtype = "auto",
     server: Annotated[
         str | None, typer.Option(help="score a running server (e.g. http://127.0.0.1:8000) through lm-eval instead")
     ] = None,
@@ -74,7 +76,8 @@ def evaluate(
     try:
         items = read_jsonl(path)[:limit]
         prompts = chat_prompts(folder, items, num_fewshot, pool) if chat else [it["prompt"] for it in items]
-        llm = LLM(str(folder), kv_layout=kv_layout, enable_prefix_caching=enable_prefix_caching)
+        llm = LLM(str(folder), kv_layout=kv_layout, enable_prefix_caching=enable_prefix_caching,
+                  mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)  # fmt: skip
     except (OSError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from hybridkv.cli.options import BatchInvariant
+from hybridkv.cli.options import BatchInvariant, MambaSsmCacheDtype
 from hybridkv.kv.layout import KV_LAYOUTS
 
 
@@ -29,6 +29,7 @@ def generate(
     max_model_len: Annotated[int | None, typer.Option()] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads")] = None,
     batch_invariant: BatchInvariant = None,
+    mamba_ssm_cache_dtype: MambaSsmCacheDtype = "auto",
 ) -> None:
     import torch
 
@@ -58,6 +59,7 @@ def generate(
                 kv_cache_memory=kv_cache_memory,
                 max_model_len=max_model_len,
                 batch_invariant=batch_invariant,
+                mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
             )
         )
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

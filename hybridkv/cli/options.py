@@ -15,3 +15,11 @@ BatchInvariant = Annotated[
         "model supports it (bfloat16 keeps the fast paths)",
     ),
 ]
+
+MambaSsmCacheDtype = Annotated[
+    str,
+    typer.Option(
+        help="recurrent-state models: how states are stored: auto (the model config's) | float32 | bfloat16 | "
+        "int8 (rows with a float32 scale each: a quarter of float32's memory, at a small accuracy cost)",
+    ),
+]

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from hybridkv.cli.options import BatchInvariant
+from hybridkv.cli.options import BatchInvariant, MambaSsmCacheDtype
 from hybridkv.kv.layout import KV_LAYOUTS
 
 
@@ -59,6 +59,7 @@ def serve(
         typer.Option(help="structured-output defaults (vLLM's keys), e.g. '{\"disable_any_whitespace\": true}'"),
     ] = None,
     batch_invariant: BatchInvariant = None,
+    mamba_ssm_cache_dtype: MambaSsmCacheDtype = "auto",
     state_checkpoints: Annotated[
         str,
         typer.Option(
@@ -110,6 +111,7 @@ def serve(
             state_checkpoints=state_checkpoints,
             state_cache_memory=state_cache_memory,
             batch_invariant=batch_invariant,
+            mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
             structured_outputs_config=structured_outputs_config,
         )
         configure_logging()  # after the flags are checked: from here on the server says what it is doing

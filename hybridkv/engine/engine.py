@@ -55,7 +55,9 @@ class LLMEngine:
                 f"positions past it were never trained; pass max_model_len <= {limit}"
             )
         max_len = config.max_model_len or min(limit or 8192, 8192)
-        model_kv = model_kv_from_hf(hf, block_size=config.block_size, dtype=config.dtype)
+        model_kv = model_kv_from_hf(
+            hf, block_size=config.block_size, dtype=config.dtype, ssm_dtype=config.mamba_ssm_cache_dtype
+        )
         self.plan = plan_kv_cache(
             model_kv,
             CacheConfig(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from hybridkv.kv.hybrid_configs import HYBRID_READERS
 from hybridkv.kv.kinds import cache_kind
 from hybridkv.kv.layers import LayerAttn, head_dim, kv_heads
 from hybridkv.kv.spec import KVSpec, resolve_dtype
-from hybridkv.kv.state import LayerState
+from hybridkv.kv.state import STATE_DTYPES, LayerState
 
 __all__ = ["MODEL_READERS", "LayerAttn", "LayerState", "ModelKV", "load_hf_config", "model_kv_from_hf"]
 
@@ -193,8 +193,14 @@ MODEL_READERS: dict[str, Reader] = {
 }
 
 
-def model_kv_from_hf(cfg: Mapping[str, Any], *, block_size: int = 16, dtype: str | torch.dtype = "bfloat16") -> ModelKV:
-    """Per-layer specs for a Hugging Face config dict. Unknown model types are an error naming the known ones."""
+def model_kv_from_hf(
+    cfg: Mapping[str, Any], *, block_size: int = 16, dtype: str | torch.dtype = "bfloat16", ssm_dtype: str = "auto"
+) -> ModelKV:
+    """Per-layer specs for a Hugging Face config dict. Unknown model types are an error naming the known ones.
+    `ssm_dtype` (vLLM's --mamba-ssm-cache-dtype): the recurrent states' storage, overriding the config's;
+    "auto" keeps the config's (else the conv state's dtype)."""
+    if ssm_dtype != "auto" and ssm_dtype not in STATE_DTYPES:
+        raise ValueError(f"mamba_ssm_cache_dtype must be auto or one of {', '.join(STATE_DTYPES)}, got {ssm_dtype!r}")
     model_type = cfg.get("model_type")
     if model_type not in MODEL_READERS:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_READERS))}")
@@ -202,6 +208,8 @@ def model_kv_from_hf(cfg: Mapping[str, Any], *, block_size: int = 16, dtype: str
         layers, shared = MODEL_READERS[model_type](cfg)
     except KeyError as e:
         raise ValueError(f"config of model_type {model_type!r} lacks the field {e.args[0]!r}") from e
+    if ssm_dtype != "auto":
+        layers = [replace(a, ssm_dtype=ssm_dtype) if isinstance(a, LayerState) else a for a in layers]
     torch_dtype = resolve_dtype(dtype)
     specs = tuple(
         None

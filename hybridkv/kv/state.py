@@ -30,6 +30,14 @@ def align_up(n: int, to: int = STATE_ALIGN) -> int:
     return cdiv(n, to) * to
 
 
+STATE_DTYPES = ("float32", "bfloat16", "int8")  # a recurrent state's storage (int8: rows with float32 scales)
+
+
+def resolve_state_dtype(name: str) -> torch.dtype:
+    """A recurrent state's storage dtype by name: a KV dtype, or int8 (quantized rows)."""
+    return torch.int8 if name == "int8" else resolve_dtype(name)
+
+
 @dataclass(frozen=True)
 class LayerState:
     """Recurrent-state shape of one layer, before block size and the KV dtype are chosen (the config reader's
@@ -102,7 +110,19 @@ class RecurrentStateSpec(KVSpec):
         return math.prod(self.conv_shape) * self.dtype.itemsize
 
     @property
+    def ssm_quantized(self) -> bool:
+        """int8 storage: each row (the last dim) as int8 with one float32 scale (`models/state_store.Int8Rows`)."""
+        return self.ssm_dtype == torch.int8
+
+    @property
+    def ssm_scale_offset(self) -> int:
+        """Where an int8 state's float32 row scales begin, in bytes from its recurrent region's start."""
+        return align_up(math.prod(self.ssm_shape))
+
+    @property
     def ssm_bytes(self) -> int:
+        if self.ssm_quantized:  # |int8 values|pad|float32 scale per row|
+            return self.ssm_scale_offset + math.prod(self.ssm_shape[:-1]) * 4
         return math.prod(self.ssm_shape) * self.ssm_dtype.itemsize
 
     @property
@@ -126,7 +146,7 @@ class RecurrentStateSpec(KVSpec):
     @classmethod
     def from_layer(cls, layer: LayerState, *, dtype: torch.dtype, block_size: int) -> KVSpec:
         conv = resolve_dtype(layer.conv_dtype) if layer.conv_dtype else dtype
-        ssm = resolve_dtype(layer.ssm_dtype) if layer.ssm_dtype else conv
+        ssm = resolve_state_dtype(layer.ssm_dtype) if layer.ssm_dtype else conv
         return cls(
             dtype=conv,
             block_size=block_size,

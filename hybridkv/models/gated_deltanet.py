@@ -16,6 +16,8 @@ calls are split only at multiples of the chunk size C from the sequence start:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hybridkv.models import exact
@@ -102,14 +104,18 @@ def chunk_gated_delta_rule(
     state: torch.Tensor,  # [Hv, dk, dv] the state before the call (any float dtype)
     start: int = 0,  # absolute position of the call's first token: anchors the chunk grid
     chunk: int = CHUNK,
+    round_state: Callable[[torch.Tensor], torch.Tensor] | None = None,  # a quantized storage's rounding
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over T tokens, chunk by chunk in order. Returns the outputs [T, Hv, dv] (v's dtype)
-    and the float32 state after the last token [Hv, dk, dv]."""
+    and the float32 state after the last token [Hv, dk, dv]. `round_state` is applied at every chunk end before
+    the last (grid points: where a split prefill would store the state, `models/state_store`)."""
     t, hv, dv = v.shape
     dk = k.shape[-1]
     s = state.to(torch.float32)
     out = v.new_empty(t, hv, dv)
     for a, b in chunk_bounds(start, t, chunk):
+        if a > 0 and round_state is not None:
+            s = round_state(s)
         qc, kc, vc, gc, bc = (_padded(x, a, b, chunk) for x in (q, k, v, g, beta))
         qc = _expand_heads(l2norm(qc) * dk**-0.5, hv)  # [C, Hv, dk]
         kc = _expand_heads(l2norm(kc), hv)

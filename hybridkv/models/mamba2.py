@@ -15,6 +15,8 @@ All recurrences are float32; callers cast on the way in and out.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hybridkv.models.exact import chunk_bounds
@@ -109,8 +111,10 @@ def ssd_chunk_scan(
     state: torch.Tensor,  # [H, P, N] float32, the state before the first token
     start: int,  # absolute position of the first token (anchors the chunk grid)
     chunk: int,  # chunk size C
+    round_state: Callable[[torch.Tensor], torch.Tensor] | None = None,  # a quantized storage's rounding
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SSD over T tokens. Returns (y [T, H, P] float32, the state after the last token [H, P, N] float32)."""
+    """SSD over T tokens. Returns (y [T, H, P] float32, the state after the last token [H, P, N] float32).
+    `round_state` is applied at every chunk end before the last (`models/state_store`)."""
     t, h = x.shape[:2]
     x, dt = x.float(), dt.float()
     b, c = repeat_groups(b.float(), h), repeat_groups(c.float(), h)
@@ -118,6 +122,8 @@ def ssd_chunk_scan(
     da = dt * a.float()
     ys = []
     for i0, i1 in chunk_bounds(start, t, chunk):
+        if i0 > 0 and round_state is not None:
+            state = round_state(state)
         pad = chunk - (i1 - i0)
         parts = [xdt[i0:i1], da[i0:i1], b[i0:i1], c[i0:i1]]
         if pad:

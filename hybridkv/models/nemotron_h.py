@@ -26,6 +26,7 @@ from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.exact import linear
 from hybridkv.models.mamba2 import causal_conv, ssd_chunk_scan, ssd_step
 from hybridkv.models.norm import RMSNorm
+from hybridkv.models.state_store import round_state
 
 MAMBA, ATTENTION, MLP_, MOE = "linear_attention", "full_attention", "mlp", "moe"
 PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP_, "E": MOE}
@@ -146,7 +147,8 @@ class Mamba2Mixer(nn.Module):
                 y, new = ssd_step(xs[0], dt_r[0], a, b[0], c[0], self.D, ssm_state.float())
                 y = y[None]
             else:  # the chunk scan
-                y, new = ssd_chunk_scan(xs, dt_r, a, b, c, self.D, ssm_state.float(), starts[r], self.chunk)
+                y, new = ssd_chunk_scan(xs, dt_r, a, b, c, self.D, ssm_state.float(), starts[r], self.chunk,
+                                        round_state(ssm_state))  # fmt: skip
             ssm_state.copy_(new)
             ys.append(y.reshape(n, self.inner))
         y = self.norm(torch.cat(ys), z, x.dtype)  # [N, I]

@@ -24,6 +24,7 @@ from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.exact import linear
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.rope import Rotary, apply_rope, rope_parameters
+from hybridkv.models.state_store import round_state
 
 Shape = tuple[int, ...]
 
@@ -119,7 +120,9 @@ class GatedDeltaNet(nn.Module):
                 o, s = gdn.recurrent_gated_delta_rule(q, k, v, g[t0:t1], beta[t0:t1], recurrent_state)
             else:  # the chunk grid is anchored at the request's absolute position
                 start = int(positions[t0])
-                o, s = gdn.chunk_gated_delta_rule(q, k, v, g[t0:t1], beta[t0:t1], recurrent_state, start)
+                rounding = round_state(recurrent_state)
+                o, s = gdn.chunk_gated_delta_rule(q, k, v, g[t0:t1], beta[t0:t1], recurrent_state, start,
+                                                  round_state=rounding)  # fmt: skip
             recurrent_state.copy_(s)
             out[t0:t1] = o
         out = self.norm(out, z.contiguous().view(n, hv, self.head_v_dim))

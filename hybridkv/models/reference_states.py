@@ -7,6 +7,8 @@ from collections.abc import Mapping
 
 import torch
 
+from hybridkv.models.state_store import Int8Rows
+
 Shape = tuple[int, ...]
 
 
@@ -22,7 +24,13 @@ class ReferenceStates:
         device: str | torch.device = "cpu",
     ) -> None:
         self.conv = {layer: torch.zeros(c, dtype=conv_dtype, device=device) for layer, (c, _) in shapes.items()}
-        self.ssm = {layer: torch.zeros(s, dtype=ssm_dtype, device=device) for layer, (_, s) in shapes.items()}
+        self.ssm: dict[int, torch.Tensor | Int8Rows] = {}
+        for layer, (_, s) in shapes.items():
+            if ssm_dtype == torch.int8:  # quantized rows (`state_store`)
+                zeros = torch.zeros(s, dtype=torch.int8, device=device)
+                self.ssm[layer] = Int8Rows(zeros, torch.zeros(s[:-1], dtype=torch.float32, device=device))
+            else:
+                self.ssm[layer] = torch.zeros(s, dtype=ssm_dtype, device=device)
         self.spans: list[tuple[int, int]] = []
         self.in_place: tuple[int, ...] = ()  # every state is a tensor here: no request is stepped in the pool
 
@@ -30,7 +38,7 @@ class ReferenceStates:
         self.spans = [(0, n)]
         return self
 
-    def state(self, layer: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def state(self, layer: int, r: int) -> tuple[torch.Tensor, torch.Tensor | Int8Rows]:
         if r != 0:
             raise ValueError(f"ReferenceStates holds one sequence, asked for request {r}")
         return self.conv[layer], self.ssm[layer]

@@ -21,12 +21,14 @@ Two ways through a step (the same bits either way: `models.gated_deltanet.gated_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import StateLayout
+from hybridkv.models.state_store import Int8Rows
 from hybridkv.request.batch import ScheduledChunk
 
 
@@ -84,12 +86,16 @@ class PagedStates:
         self._keep = keep.nonzero().view(-1).to(device)
         self._keep_pages = bundle_pages[heads[keep, 1]].view(-1).to(device)
 
-    def state(self, layer: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def state(self, layer: int, r: int) -> tuple[torch.Tensor, torch.Tensor | Int8Rows]:
         slot = self._slots[layer]
         spec, row = slot.spec, self.blobs[self._row[r]]
         conv = row[slot.conv_offset : slot.conv_offset + spec.conv_bytes].view(spec.dtype).view(spec.conv_shape)
-        ssm = row[slot.ssm_offset : slot.ssm_offset + spec.ssm_bytes].view(spec.ssm_dtype).view(spec.ssm_shape)
-        return conv, ssm
+        ssm = row[slot.ssm_offset : slot.ssm_offset + spec.ssm_bytes]
+        if spec.ssm_quantized:
+            codes = ssm[: math.prod(spec.ssm_shape)].view(torch.int8).view(spec.ssm_shape)
+            scales = ssm[spec.ssm_scale_offset :].view(torch.float32).view(spec.ssm_shape[:-1])
+            return conv, Int8Rows(codes, scales)
+        return conv, ssm.view(spec.ssm_dtype).view(spec.ssm_shape)
 
     def conv_step(self, layer: int, x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
         slot = self._slots[layer]
@@ -98,8 +104,8 @@ class PagedStates:
 
     def delta_step(self, layer: int, *inputs: torch.Tensor) -> torch.Tensor:
         slot = self._slots[layer]
-        bf16 = slot.spec.ssm_dtype == torch.bfloat16
-        return self.kernel.delta_step(*inputs, self._src, self._dst, self._starts, slot.ssm_offset, bf16)
+        storage = STORAGE_CODES[slot.spec.ssm_dtype]
+        return self.kernel.delta_step(*inputs, self._src, self._dst, self._starts, slot.ssm_offset, storage)
 
     def write_back(self) -> None:
         """Store the gathered states after the step in their destination pages (requests that keep theirs)."""
@@ -115,10 +121,15 @@ def _addresses(bases: torch.Tensor, widths: torch.Tensor, pages: torch.Tensor) -
     return (bases + pages[:, :, None].to(torch.int64) * widths).view(pages.shape[0], -1)
 
 
+# The native delta step's storage argument per recurrent-state dtype (int8: rows with float32 scales).
+STORAGE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
 def steps_in_place(layout: StateLayout) -> bool:
-    """The native step kernel's dtypes: float32 or bfloat16 recurrent states and conv windows."""
+    """The native step kernel's dtypes: float32, bfloat16 or int8 recurrent states; float32 or bfloat16 conv
+    windows."""
     kinds = (torch.float32, torch.bfloat16)
-    return all(s.spec.ssm_dtype in kinds and s.spec.dtype in kinds for s in layout.slots)
+    return all(s.spec.ssm_dtype in STORAGE_CODES and s.spec.dtype in kinds for s in layout.slots)
 
 
 def check_state_shapes(model_shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]], layout: StateLayout) -> None:

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from hybridkv.models import gated_deltanet as gdn
+from hybridkv.models.state_store import dequantize_rows, quantize_rows
 from hybridkv.runner import kernels
-from hybridkv.runner.states import _addresses
+from hybridkv.runner.states import STORAGE_CODES, _addresses
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +53,35 @@ def _entries(n: int, m: int, num_blocks: int, seed: int) -> list[list[int]]:
     return [ids[r * m : (r + 1) * m] for r in range(n)]
 
 
+def _state_bytes(state: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 state [H, dk, dv] as its stored bytes: float32 or bfloat16 values, or int8 rows then (64-byte
+    aligned) their float32 scales (`models/state_store`)."""
+    if dtype != torch.int8:
+        return state.to(dtype).reshape(-1).view(torch.uint8)
+    codes, scales = quantize_rows(state)
+    pad = torch.zeros(-codes.numel() % 64, dtype=torch.uint8)
+    return torch.cat((codes.reshape(-1).view(torch.uint8), pad, scales.reshape(-1).view(torch.uint8)))
+
+
+def _stored_state(blob: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The float32 state a blob holds at `offset` (`_state_bytes` read back)."""
+    n = shape[0] * shape[1] * shape[2]
+    if dtype != torch.int8:
+        return blob[offset : offset + n * dtype.itemsize].view(dtype).view(shape).float()
+    codes = blob[offset : offset + n].view(torch.int8).view(shape)
+    scales_at = offset + n + (-n % 64)
+    return dequantize_rows(codes, blob[scales_at : scales_at + n // shape[2] * 4].view(torch.float32).view(shape[:2]))
+
+
 def _state_blob(pool: Pool, pages: list[int], offset: int, shape: tuple[int, ...], seed: int, dtype=torch.float32):
     """Put a well-scaled state at `offset` of the blob (random bytes would hold NaNs)."""
     blob = pool.blob(pages)
-    values = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.1).to(dtype)
-    n = values.numel() * values.element_size()
-    blob[offset : offset + n] = values.view(-1).view(torch.uint8)
+    values = _state_bytes(torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.1, dtype)
+    blob[offset : offset + values.numel()] = values
     pool.write(pages, blob)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize(
     ("widths", "copy_on_write", "aligned"),
     [([4096], False, False), ([4096], True, False), ([1000, 3096], True, False), ([4096], False, True),
@@ -72,7 +92,7 @@ def test_delta_step_equals_the_torch_step_on_scattered_pages(kernel, widths, cop
     offset = 2000  # the slot starts inside page 0 (or its second region)
     if aligned:  # float32 rows of 128 bytes on 64-byte boundaries, never across a page end: read where they lie
         dv, offset = 32, 2048  # and streamed out (non-temporal stores)
-    size = heads * dk * dv * torch.finfo(dtype).bits // 8
+    size = _state_bytes(torch.zeros(heads, dk, dv), dtype).numel()
     m = -(-(offset + size) // sum(widths))
     pool = Pool(widths, num_blocks=64, seed=0)
     entries = _entries(2 * n, m, 64, seed=1)
@@ -86,16 +106,16 @@ def test_delta_step_equals_the_torch_step_on_scattered_pages(kernel, widths, cop
     decay, beta = torch.rand(n, heads, generator=g), torch.rand(n, heads, generator=g)
     before = [pool.blob(p).clone() for p in src]
     dst_before = [pool.blob(p).clone() for p in dst]
-    state = torch.stack([b[offset : offset + size].view(dtype).view(heads, dk, dv) for b in before])
-    want_out, want_state = gdn.gated_delta_step(q, k, v, decay, beta, state.float())
+    state = torch.stack([_stored_state(b, offset, (heads, dk, dv), dtype) for b in before])
+    want_out, want_state = gdn.gated_delta_step(q, k, v, decay, beta, state)
 
     a, b, starts = pool.addresses(src), pool.addresses(dst), pool.starts(m)
-    out = kernel.delta_step(q, k, v, decay, beta, a, b, starts, offset, dtype == torch.bfloat16)
+    out = kernel.delta_step(q, k, v, decay, beta, a, b, starts, offset, STORAGE_CODES[dtype])
 
     assert torch.equal(out, want_out)
     for r in range(n):
         after = pool.blob(dst[r])
-        assert torch.equal(after[offset : offset + size].view(dtype).view(heads, dk, dv), want_state[r].to(dtype))
+        assert torch.equal(after[offset : offset + size], _state_bytes(want_state[r], dtype))
         outside = torch.ones(after.numel(), dtype=torch.bool)
         outside[offset : offset + size] = False
         assert torch.equal(after[outside], dst_before[r][outside]), "bytes outside the slot changed"
@@ -122,7 +142,7 @@ def test_delta_step_bits_do_not_depend_on_the_batch_or_threads(kernel):
         try:
             a = pool.addresses([entries[r] for r in rows])
             i = torch.tensor(rows)
-            return kernel.delta_step(q[i], k[i], v[i], decay[i], beta[i], a, a, pool.starts(m), 0, False)
+            return kernel.delta_step(q[i], k[i], v[i], decay[i], beta[i], a, a, pool.starts(m), 0, 0)
         finally:
             torch.set_num_threads(old)
 
@@ -170,4 +190,4 @@ def test_a_slot_past_the_blob_is_refused(kernel):
     q = torch.zeros(1, 1, 16, 16)[:, :, 0]  # [1, 1, 16]
     v, d = torch.zeros(1, 1, 16), torch.zeros(1, 1)
     with pytest.raises(RuntimeError, match="past the state blob"):
-        kernel.delta_step(q, q, v, d, d, a, a, pool.starts(1), 1024 - 16 * 16 * 4 + 4, False)
+        kernel.delta_step(q, q, v, d, d, a, a, pool.starts(1), 1024 - 16 * 16 * 4 + 4, 0)

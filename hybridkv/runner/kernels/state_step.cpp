@@ -23,6 +23,8 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <type_traits>
 #include <cstring>
 #include <vector>
@@ -177,39 +179,70 @@ inline void stream_row(float* __restrict to, const float* __restrict row, int64_
   std::memcpy(to, row, n * sizeof(float));
 }
 
-// One (request, head): the [dk, dv] state at blob byte `at`, stored as S (float or bfloat16), stepped in float32.
+// Storage of the recurrent state (`runner/states.STORAGE_CODES`): float32, bfloat16, or int8 rows with one
+// float32 scale each (`models/state_store.py`: codes at the region's start, scales at `scale_at`).
+enum Storage : int64_t { kFloat32 = 0, kBFloat16 = 1, kInt8 = 2 };
+
+// A row of int8 codes -> float32: q * scale (state_store.dequantize_rows).
+inline void dequantize_row(const int8_t* codes, float scale, float* out, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<float>(codes[j]) * scale;
+}
+
+// A float32 row -> int8 codes and its scale: scale = max|x| / 127, q = round_half_even(x / scale), a zero row
+// all zeros (state_store.quantize_rows, the same float32 operations).
+inline float quantize_row(const float* x, int8_t* codes, int64_t n) {
+  float top = 0.f;
+  for (int64_t j = 0; j < n; ++j) top = std::max(top, std::fabs(x[j]));
+  const float scale = top / 127.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float q = scale > 0.f ? std::nearbyint(x[j] / scale) : 0.f;
+    codes[j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+  }
+  return scale;
+}
+
+// Where one (request, head)'s state lives in a blob: its rows from byte `at`, for int8 its row scales from byte
+// `scale_at` (float32, one per row).
+struct HeadAt {
+  int64_t at;
+  int64_t scale_at;
+};
+
+// One (request, head): the [dk, dv] state, stored as `kind`, stepped in float32.
 // Pass 1 reads each row where it lies in the pool, keeps it decayed in `state` (L2-sized) and folds it into pred;
 // pass 2 steps each row and streams it to the destination at once, prefetching the next head's row (`next`, null
 // for none): the pool's bytes stream in once and out once, and the arithmetic overlaps the memory traffic. (A row
-// that straddles a segment end goes through a gather or scatter copy; bfloat16 rows are widened through row_buf.)
-template <typename S>
-void delta_head(const Blob& src, const Blob& dst, int64_t at, int64_t dk, int64_t dv, const float* __restrict q,
+// that straddles a segment end goes through a gather or scatter copy; bfloat16 and int8 rows go through row_buf.)
+template <Storage kind>
+void delta_head(const Blob& src, const Blob& dst, HeadAt head, int64_t dk, int64_t dv, const float* __restrict q,
                 const float* __restrict k, const float* __restrict v, float g, float bt, float* __restrict o,
-                S* __restrict row_buf, float* __restrict state, float* __restrict pred, float* __restrict delta,
-                const Blob* next, int64_t next_at) {
-  const int64_t row_bytes = dv * static_cast<int64_t>(sizeof(S));
+                uint8_t* __restrict row_buf, float* __restrict state, float* __restrict pred,
+                float* __restrict delta, const Blob* next, HeadAt next_head) {
+  constexpr int64_t item = kind == kFloat32 ? 4 : kind == kBFloat16 ? 2 : 1;
+  const int64_t row_bytes = dv * item, at = head.at;
   std::fill(pred, pred + dv, 0.f);
   for (int64_t i = 0; i < dk; ++i) {
     float* __restrict si = state + i * dv;
-    if constexpr (std::is_same_v<S, float>) {
-      const float* row = reinterpret_cast<const float*>(src.span(at + i * row_bytes, row_bytes));
+    const float* row = si;
+    if constexpr (kind == kFloat32) {
+      row = reinterpret_cast<const float*>(src.span(at + i * row_bytes, row_bytes));
       if (row == nullptr) {  // the row straddles a segment end: gathered
         src.copy<true>(at + i * row_bytes, row_bytes, reinterpret_cast<uint8_t*>(si));
         row = si;
       }
-      const float ki = k[i];
-      for (int64_t j = 0; j < dv; ++j) {
-        si[j] = row[j] * g;  // the decayed state, kept for pass 2
-        pred[j] = pred[j] + si[j] * ki;
-      }
-      continue;
+    } else if constexpr (kind == kBFloat16) {
+      src.copy<true>(at + i * row_bytes, row_bytes, row_buf);
+      const auto* wide = reinterpret_cast<const c10::BFloat16*>(row_buf);
+      for (int64_t j = 0; j < dv; ++j) si[j] = static_cast<float>(wide[j]);
     } else {
-      src.copy<true>(at + i * row_bytes, row_bytes, reinterpret_cast<uint8_t*>(row_buf));
-      for (int64_t j = 0; j < dv; ++j) si[j] = static_cast<float>(row_buf[j]);
+      float scale;
+      src.copy<true>(head.scale_at + i * 4, 4, reinterpret_cast<uint8_t*>(&scale));
+      src.copy<true>(at + i * row_bytes, row_bytes, row_buf);
+      dequantize_row(reinterpret_cast<const int8_t*>(row_buf), scale, si, dv);
     }
     const float ki = k[i];
     for (int64_t j = 0; j < dv; ++j) {
-      si[j] = si[j] * g;  // the decayed state, kept for pass 2
+      si[j] = row[j] * g;  // the decayed state, kept for pass 2
       pred[j] = pred[j] + si[j] * ki;
     }
   }
@@ -219,7 +252,7 @@ void delta_head(const Blob& src, const Blob& dst, int64_t at, int64_t dk, int64_
     float* __restrict si = state + i * dv;
     const float ki = k[i], qi = q[i];
     if (next != nullptr) {
-      const uint8_t* ahead = next->locate(next_at + i * row_bytes);
+      const uint8_t* ahead = next->locate(next_head.at + i * row_bytes);
       for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
     }
     for (int64_t j = 0; j < dv; ++j) {
@@ -227,60 +260,70 @@ void delta_head(const Blob& src, const Blob& dst, int64_t at, int64_t dk, int64_
       si[j] = stepped;
       o[j] = o[j] + qi * stepped;
     }
-    if constexpr (std::is_same_v<S, float>) {
+    if constexpr (kind == kFloat32) {
       auto* row = reinterpret_cast<float*>(dst.span(at + i * row_bytes, row_bytes));
       if (row != nullptr) {
         stream_row(row, si, dv);
       } else {
         dst.copy<false>(at + i * row_bytes, row_bytes, reinterpret_cast<uint8_t*>(si));
       }
+    } else if constexpr (kind == kBFloat16) {
+      auto* narrow = reinterpret_cast<c10::BFloat16*>(row_buf);
+      for (int64_t j = 0; j < dv; ++j) narrow[j] = static_cast<c10::BFloat16>(si[j]);  // round to nearest even
+      dst.copy<false>(at + i * row_bytes, row_bytes, row_buf);
     } else {
-      for (int64_t j = 0; j < dv; ++j) row_buf[j] = static_cast<S>(si[j]);  // round to nearest even
-      dst.copy<false>(at + i * row_bytes, row_bytes, reinterpret_cast<uint8_t*>(row_buf));
+      float scale = quantize_row(si, reinterpret_cast<int8_t*>(row_buf), dv);
+      dst.copy<false>(at + i * row_bytes, row_bytes, row_buf);
+      dst.copy<false>(head.scale_at + i * 4, 4, reinterpret_cast<uint8_t*>(&scale));
     }
   }
 }
 
-// delta_step(q, k [N, H, dk], v [N, H, dv], decay, beta [N, H], src, dst, starts, offset, state_bf16) -> out
+// delta_step(q, k [N, H, dk], v [N, H, dv], decay, beta [N, H], src, dst, starts, offset, storage) -> out
 // [N, H, dv], all float32: one token of the gated delta rule per request and head on the state S [H, dk, dv] at
-// blob byte `offset` (float32, or bfloat16 when state_bf16: widened, stepped in float32, rounded back), with
-// decay = exp(g):
+// blob byte `offset`, stored as `storage` (`Storage`: float32; bfloat16, widened and rounded back; int8 rows
+// [H, dk, dv] then, 64-byte aligned, their float32 scales [H, dk]), stepped in float32, with decay = exp(g):
 //   pred   = sum_i (decay S[i]) k_i            delta = (v - pred) beta
 //   S'[i]  = decay S[i] + k_i delta            out   = sum_i q_i S'[i]
 torch::Tensor delta_step(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                          const torch::Tensor& decay, const torch::Tensor& beta, const torch::Tensor& src,
-                         const torch::Tensor& dst, const torch::Tensor& starts, int64_t offset, bool state_bf16) {
+                         const torch::Tensor& dst, const torch::Tensor& starts, int64_t offset, int64_t storage) {
   for (const auto* t : {&q, &k, &v, &decay, &beta}) TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous());
   TORCH_CHECK(q.dim() == 3 && q.sizes() == k.sizes() && v.dim() == 3 && offset >= 0);
+  TORCH_CHECK(storage == kFloat32 || storage == kBFloat16 || storage == kInt8, "storage: 0, 1 or 2");
   const int64_t n = q.size(0), heads = q.size(1), dk = q.size(2), dv = v.size(2);
   TORCH_CHECK(v.size(0) == n && v.size(1) == heads && decay.numel() == n * heads && beta.numel() == n * heads);
-  const int64_t item = state_bf16 ? 2 : 4;
-  check_blobs(src, dst, starts, n, offset + heads * dk * dv * item);
+  const int64_t item = storage == kFloat32 ? 4 : storage == kBFloat16 ? 2 : 1;
+  const int64_t codes = heads * dk * dv * item;
+  const int64_t scales = storage == kInt8 ? (codes + 63) / 64 * 64 : codes;  // where int8 row scales begin
+  check_blobs(src, dst, starts, n, offset + (storage == kInt8 ? scales + heads * dk * 4 : codes));
   auto out = torch::empty_like(v);
   const int64_t segments = src.size(1);
   const int64_t *s = src.data_ptr<int64_t>(), *d = dst.data_ptr<int64_t>(), *st = starts.data_ptr<int64_t>();
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *gp = decay.data_ptr<float>(), *bp = beta.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  auto head_at = [&](int64_t h) { return HeadAt{offset + h * dk * dv * item, offset + scales + h * dk * 4}; };
   at::parallel_for(0, n * heads, 1, [&](int64_t b, int64_t e) {
     std::vector<float> state(dk * dv), pred(dv), delta(dv);
-    std::vector<c10::BFloat16> row(dv);
+    std::vector<uint8_t> row(dv * 4);
     for (int64_t rh = b; rh < e; ++rh) {
       const int64_t r = rh / heads, h = rh % heads;
       const Blob from{st, s + r * segments, segments}, to{st, d + r * segments, segments};
-      const int64_t at = offset + h * dk * dv * item;
       const float *qr = qp + rh * dk, *kr = kp + rh * dk, *vr = vp + rh * dv;
       float* o = op + rh * dv;
       const int64_t nr = (rh + 1) / heads, nh = (rh + 1) % heads;
       const Blob ahead{st, s + nr * segments, segments};
       const Blob* next = rh + 1 < e ? &ahead : nullptr;
-      const int64_t next_at = offset + nh * dk * dv * item;
-      if (state_bf16) {
-        delta_head(from, to, at, dk, dv, qr, kr, vr, gp[rh], bp[rh], o, row.data(), state.data(), pred.data(),
-                   delta.data(), next, next_at);
+      if (storage == kBFloat16) {
+        delta_head<kBFloat16>(from, to, head_at(h), dk, dv, qr, kr, vr, gp[rh], bp[rh], o, row.data(),
+                              state.data(), pred.data(), delta.data(), next, head_at(nh));
+      } else if (storage == kInt8) {
+        delta_head<kInt8>(from, to, head_at(h), dk, dv, qr, kr, vr, gp[rh], bp[rh], o, row.data(), state.data(),
+                          pred.data(), delta.data(), next, head_at(nh));
       } else {
-        delta_head<float>(from, to, at, dk, dv, qr, kr, vr, gp[rh], bp[rh], o, nullptr, state.data(), pred.data(),
-                          delta.data(), next, next_at);
+        delta_head<kFloat32>(from, to, head_at(h), dk, dv, qr, kr, vr, gp[rh], bp[rh], o, row.data(),
+                             state.data(), pred.data(), delta.data(), next, head_at(nh));
       }
     }
 #if defined(__AVX512F__)
