@@ -102,3 +102,11 @@ def test_int8_logits_drift_little_from_float32_states(hybrid_checkpoint, hybrid_
         span = want[:steps].amax(-1) - want[:steps].amin(-1)
         drift.append(((got[:steps] - want[:steps]).abs().amax(-1) / span).max().item())
     assert 0 < max(drift) < 0.1, drift
+
+
+def test_int8_and_float32_state_instances_are_not_compatible_peers(hybrid_checkpoint):
+    """PD peers and a shared disk tier must agree on the state's bytes: the storage is part of the compat hash."""
+    from hybridkv.connectors.identity import compat_hash
+
+    wide, narrow = (engine(hybrid_checkpoint, **kw).engine.plan for kw in ({}, INT8))
+    assert compat_hash(wide, "f", "float32") != compat_hash(narrow, "f", "float32")

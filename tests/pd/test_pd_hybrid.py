@@ -33,8 +33,8 @@ def hybrid(request, tmp_path_factory):
     return str(folder)
 
 
-def single(model: str, prompts: list[str]) -> list[tuple[str, list[float]]]:
-    llm = LLM(model, kv_cache_memory="32MiB", max_model_len=512)
+def single(model: str, prompts: list[str], **kw) -> list[tuple[str, list[float]]]:
+    llm = LLM(model, kv_cache_memory="32MiB", max_model_len=512, **kw)
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0))
     return [(o.outputs[0].text, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
 
@@ -66,6 +66,21 @@ def test_through_the_proxy_equals_one_instance_bit_for_bit(hybrid, layouts):
             out = complete(d.url, PROMPTS[3], logprobs=0, kv_transfer_params=lease["kv_transfer_params"])
         assert (out["choices"][0]["text"], out["choices"][0]["logprobs"]["token_logprobs"]) == want[3]
         assert moved["external_hit_tokens"] > 0
+        assert_clean(p, d)
+    finally:
+        for proc in (x, p, d):
+            proc.stop()
+
+
+def test_int8_states_through_the_proxy_equal_one_int8_instance(hybrid):
+    """Quantized states (`--mamba-ssm-cache-dtype int8`) travel as their int8 bytes and scales: the same bits."""
+    int8 = ("--mamba-ssm-cache-dtype", "int8")
+    p, d = server(hybrid, "per-layer", *int8), server(hybrid, "packed", *int8)
+    x = proxy(p, d)
+    try:
+        want = single(hybrid, PROMPTS[2:], mamba_ssm_cache_dtype="int8")
+        with transfers(d, at_least=3):
+            assert through(x.url, PROMPTS[2:]) == want
         assert_clean(p, d)
     finally:
         for proc in (x, p, d):
