@@ -5,6 +5,10 @@ bandwidth. Side by side in one run: states stepped in the pool (the native kerne
 state gathered into a copy, stepped by `gated_delta_step` and written back).
 
     python benchmarks/bench_state_step.py [--batch 32] [--prompt 64] [--steps 12] [--threads 1] [--json]
+                                          [--state-dtypes float32 int8]
+
+With several --state-dtypes (`--mamba-ssm-cache-dtype`) each is measured in the same run, against the floor of its
+own state bytes and against the first one's step time.
 
 Target (issue 30): time per request-step <= 3x the floor (it was ~17x with gathered copies and torch matmuls).
 """
@@ -34,12 +38,12 @@ def copy_floor(nbytes: int, repeats: int = 5) -> float:
     return best
 
 
-def decode_steps(folder: Path, args: argparse.Namespace, in_pool: bool) -> dict:
+def decode_steps(folder: Path, args: argparse.Namespace, in_pool: bool, state_dtype: str) -> dict:
     from hybridkv import LLM, SamplingParams
 
     llm = LLM(
         str(folder), dtype="float32", kv_cache_memory=args.memory, max_model_len=1024, max_num_seqs=args.batch,
-        max_num_batched_tokens=2048, enable_prefix_caching=False,
+        max_num_batched_tokens=2048, enable_prefix_caching=False, mamba_ssm_cache_dtype=state_dtype,
     )  # fmt: skip
     engine = llm.engine
     if not in_pool:
@@ -59,7 +63,7 @@ def decode_steps(folder: Path, args: argparse.Namespace, in_pool: bool) -> dict:
         times.append(time.perf_counter() - t0)
     plan = engine.plan
     return {
-        "path": "in pool" if in_pool else "gathered copies",
+        "path": f"{state_dtype} {'in pool' if in_pool else 'copies'}",
         "step_ms": statistics.median(times) * 1e3,
         "ms_per_request_step": statistics.median(times) / args.batch * 1e3,
         "state_bytes": plan.state.blob_bytes,
@@ -74,25 +78,28 @@ def main() -> None:
     parser.add_argument("--memory", default="4GiB")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--state-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "int8"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         folder = hybrid_models.build(Path(tmp) / "state-0.8b", "state-0.8b")
-        rows = [decode_steps(folder, args, in_pool=True), decode_steps(folder, args, in_pool=False)]
-    state = rows[0]["state_bytes"]
-    floor = copy_floor(state * args.batch) / args.batch * 1e3
+        rows = [decode_steps(folder, args, pool, d) for d in args.state_dtypes for pool in (True, False)]
     for r in rows:
-        r["floor_ms"] = floor
-        r["vs_floor"] = r["ms_per_request_step"] / floor
+        r["floor_ms"] = copy_floor(r["state_bytes"] * args.batch) / args.batch * 1e3
+        r["vs_floor"] = r["ms_per_request_step"] / r["floor_ms"]
+        r["vs_first"] = r["step_ms"] / rows[0]["step_ms"]
+    state, floor = rows[0]["state_bytes"], rows[0]["floor_ms"]
     if args.json:
         print(json.dumps(rows, indent=2))
         return
     gbps = 2 * state / (floor / 1e3) / 1e9
     print(f"state {state / 2**20:.1f} MiB/request, batch {args.batch}, {args.threads} thread(s); floor (read + write "
           f"once, copy bandwidth {gbps:.1f} GB/s read+write) {floor:.2f} ms per request-step")  # fmt: skip
-    print(f"{'path':<16} {'step ms':>8} {'ms/req-step':>11} {'x floor':>8}")
+    print(f"{'state, path':<18} {'MiB/req':>8} {'step ms':>8} {'ms/req-step':>11} {'x floor':>8} {'x first':>8}")
     for r in rows:
-        print(f"{r['path']:<16} {r['step_ms']:>8.1f} {r['ms_per_request_step']:>11.2f} {r['vs_floor']:>8.2f}")
+        mib = r["state_bytes"] / 2**20
+        print(f"{r['path']:<18} {mib:>8.1f} {r['step_ms']:>8.1f} {r['ms_per_request_step']:>11.2f} "
+              f"{r['vs_floor']:>8.2f} {r['vs_first']:>8.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

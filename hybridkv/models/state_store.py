@@ -1,8 +1,8 @@
 """Int8Rows: a recurrent state stored as int8 rows, each with one float32 scale (opt-in, `--mamba-ssm-cache-dtype
 int8`): half the bytes of bfloat16, a quarter of float32, so twice or four times the requests per state memory.
 
-    row x [n] float32  ->  scale = max|x| / 127,  q = round_half_even(x / scale)  in [-127, 127]  (int8)
-                           (a row of zeros: scale 0, q 0)
+    row x [n] float32  ->  scale = max|x| / 127,  q = round_half_even(x * (127 / max|x|))  in [-127, 127]
+                           (int8; where 127 / max|x| is not finite, e.g. a row of zeros: scale 0, q 0)
     q, scale           ->  x' = q * scale                                          (float32)
 
 Every step is one IEEE float32 operation, so the torch code here and the native step kernel
@@ -24,10 +24,12 @@ LEVELS = 127.0  # int8 codes in [-127, 127]: symmetric, -128 unused
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., n] float32 -> (int8 codes [..., n], float32 scales [...])."""
     x = x.to(torch.float32)
-    scale = x.abs().amax(-1) / LEVELS
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.where(scale[..., None] > 0, torch.round(x / safe[..., None]), torch.zeros_like(x))
-    return codes.clamp(-LEVELS, LEVELS).to(torch.int8), scale
+    top = x.abs().amax(-1)
+    inv = LEVELS / top  # one division per row
+    finite = torch.isfinite(inv)
+    up = torch.where(finite, inv, torch.zeros_like(inv))
+    codes = torch.round(x * up[..., None]).clamp(-LEVELS, LEVELS)
+    return codes.to(torch.int8), torch.where(finite, top / LEVELS, torch.zeros_like(top))
 
 
 def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
