@@ -21,7 +21,7 @@ from hybridkv.engine.chunking import ExactChunks, FreeChunks, exact_unit
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
-from hybridkv.engine.stats import EngineStats
+from hybridkv.engine.stats import EngineStats, snapshot
 from hybridkv.engine.tokenizer import Tokenizer, eos_token_ids
 from hybridkv.engine.turn_end import turn_end_request
 from hybridkv.events.publisher import ZmqEventPublisher
@@ -227,37 +227,7 @@ class LLMEngine:
     def stats(self, check_integrity: bool = False) -> EngineStats:
         """The one snapshot of counters and gauges (/metrics, /admin/kv); with `check_integrity`, also the KV
         core's and the connector's invariants checked. Call it on the thread that steps the engine."""
-        s, pool, st = self.scheduler, self.kv.pool, self.scheduler.stats
-        held = self.kv.blocks_held_per_group()
-        state = self.plan.state
-        integrity = None
-        if check_integrity:
-            try:
-                self.kv.check_integrity()
-                integrity = "ok"
-            except AssertionError as e:
-                integrity = f"violated: {e}"
-        return EngineStats(
-            running=len(s.running),
-            waiting=len(s.waiting),
-            waiting_for_kv=len(s.waiting_for_kv),
-            blocks_used=pool.num_used_blocks,
-            blocks_free=pool.num_free_blocks,
-            group_blocks_used=tuple(n for g, n in zip(self.plan.groups, held) if not g.is_state),
-            state_blocks_used=sum(n for g, n in zip(self.plan.groups, held) if g.is_state),
-            state_checkpoint_bytes=0
-            if state is None
-            else sum(g == state.group for _, g in pool.cached) * state.bytes_per_request,
-            prefix_query_tokens=st.prefix_query_tokens,
-            prefix_hit_tokens=st.prefix_hit_tokens,
-            prompt_tokens=st.prompt_tokens,
-            generation_tokens=st.generation_tokens,
-            preemptions=s.num_preemptions,
-            external_hit_tokens=st.external_hit_tokens,
-            kv_load_failures=st.kv_load_failures,
-            connector=self.connector.metrics() if self.connector is not None else {},
-            integrity=integrity,
-        )
+        return snapshot(self.scheduler, self.kv, self.connector, check_integrity)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from hybridkv.engine.chunking import ExactChunks, FreeChunks
+from hybridkv.engine.scheduler_types import RequestTokens, SchedulerConfig, SchedulerStats
 from hybridkv.kv.coordinator import KVCacheCoordinator, PrefixHit
 from hybridkv.kv.prefix import reusable_tokens
 from hybridkv.request.batch import ScheduledChunk, SchedulerOutput
@@ -17,41 +17,6 @@ from hybridkv.request.state import Request, RequestStatus
 
 if TYPE_CHECKING:
     from hybridkv.connectors.base import ConnectorEvents, KVConnector
-
-
-class _Tokens(Sequence[int]):
-    """A request's tokens, copied only when sliced (a KV event for a newly full block), not on every step."""
-
-    def __init__(self, req: Request) -> None:
-        self.req = req
-
-    def __len__(self) -> int:
-        return self.req.num_tokens
-
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        return self.req.all_token_ids[index]
-
-
-@dataclass
-class SchedulerStats:
-    prompt_tokens: int = 0  # prompt tokens of admitted requests, once per request (not again after a preemption)
-    generation_tokens: int = 0
-    prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admission
-    prefix_hit_tokens: int = 0
-    external_hit_tokens: int = 0  # prompt tokens loaded by a connector instead of computed
-    kv_load_failures: int = 0
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    max_model_len: int = 4096
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 class Scheduler:
@@ -282,7 +247,7 @@ class Scheduler:
     def _cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Publish the request's full blocks among its first `num_tokens` tokens (with its tokens when KV events
         report them)."""
-        tokens = _Tokens(req) if self.kv.events is not None else ()
+        tokens = RequestTokens(req) if self.kv.events is not None else ()
         self.kv.cache_blocks(req.request_id, req.block_hashes, num_tokens, tokens)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

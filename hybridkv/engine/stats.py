@@ -7,6 +7,12 @@ never touch the scheduler's or the pool's live tables.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridkv.connectors.base import KVConnector
+    from hybridkv.engine.scheduler import Scheduler
+    from hybridkv.kv.coordinator import KVCacheCoordinator
 
 
 @dataclass(frozen=True)
@@ -32,3 +38,41 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+def snapshot(
+    scheduler: Scheduler, kv: KVCacheCoordinator, connector: KVConnector | None, check_integrity: bool = False
+) -> EngineStats:
+    """The engine's `EngineStats` now (on the engine thread); with `check_integrity`, the KV core's invariants
+    checked too."""
+    s, pool, st, plan = scheduler, kv.pool, scheduler.stats, kv.plan
+    held = kv.blocks_held_per_group()
+    state = plan.state
+    integrity = None
+    if check_integrity:
+        try:
+            kv.check_integrity()
+            integrity = "ok"
+        except AssertionError as e:
+            integrity = f"violated: {e}"
+    return EngineStats(
+        running=len(s.running),
+        waiting=len(s.waiting),
+        waiting_for_kv=len(s.waiting_for_kv),
+        blocks_used=pool.num_used_blocks,
+        blocks_free=pool.num_free_blocks,
+        group_blocks_used=tuple(n for g, n in zip(plan.groups, held) if not g.is_state),
+        state_blocks_used=sum(n for g, n in zip(plan.groups, held) if g.is_state),
+        state_checkpoint_bytes=0
+        if state is None
+        else sum(g == state.group for _, g in pool.cached) * state.bytes_per_request,
+        prefix_query_tokens=st.prefix_query_tokens,
+        prefix_hit_tokens=st.prefix_hit_tokens,
+        prompt_tokens=st.prompt_tokens,
+        generation_tokens=st.generation_tokens,
+        preemptions=s.num_preemptions,
+        external_hit_tokens=st.external_hit_tokens,
+        kv_load_failures=st.kv_load_failures,
+        connector=connector.metrics() if connector is not None else {},
+        integrity=integrity,
+    )
