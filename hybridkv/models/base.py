@@ -78,9 +78,9 @@ class OutputRows:
 class CausalLM(nn.Module):
     """A decoder-only model over a flat token batch."""
 
-    # Its `linear.Linear` and `FusedLinear` projections may run through packed oneDNN weights (`linear.py`):
-    # models that promise row-count-independent bits (recurrent hybrids) leave this False.
-    packable: ClassVar[bool] = False
+    # The dtypes in which its `linear.Linear` and `FusedLinear` projections run through packed oneDNN weights
+    # (`linear.py`). Recurrent hybrids leave float32 out: there they promise row-count-independent bits.
+    packed_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
     # Its projections, norms and activations can switch to exact arithmetic (`batch_invariant.py`), so that with
     # the runner's exact steps every mode gives a request's single-run bits. Recurrent hybrids are exact always.
     batch_invariant: ClassVar[bool] = False

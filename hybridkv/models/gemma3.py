@@ -19,7 +19,7 @@ from hybridkv.models import norm, rope
 from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.gemma4 import _in_dtype
-from hybridkv.models.linear import Linear, output_logits
+from hybridkv.models.linear import PACKED_DTYPES, Linear, output_logits
 from hybridkv.models.llama import ACTIVATIONS, MLP
 from hybridkv.models.llama import Attention as LlamaAttention
 
@@ -89,7 +89,7 @@ class Gemma3ForCausalLM(CausalLM):
     """Gemma 3's text model. `layer_windows[i]`: layer i's sliding window (None: full attention), as
     `hybridkv.kv.model_kv` plans it; `kv_sharing` is empty."""
 
-    packable = True
+    packed_dtypes = PACKED_DTYPES
     batch_invariant = True
 
     def __init__(self, cfg: Mapping[str, Any]) -> None:

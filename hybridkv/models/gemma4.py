@@ -23,7 +23,7 @@ from hybridkv.models.batch_invariant import ACTIVATIONS as EXACT_ACTIVATIONS
 from hybridkv.models.batch_invariant import ExactOps
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.fused import norm_kernel
-from hybridkv.models.linear import Linear, output_logits
+from hybridkv.models.linear import PACKED_DTYPES, Linear, output_logits
 from hybridkv.models.llama import ACTIVATIONS
 from hybridkv.models.llama import MLP as LlamaMLP
 from hybridkv.models.norm import norm_constants, rms_norm, scaled_rms_norm
@@ -202,7 +202,7 @@ class Gemma4ForCausalLM(CausalLM):
     """Gemma 4's text model. `layer_windows[i]`: layer i's sliding window (None: full attention);
     `kv_sharing`: consumer layer -> the layer whose KV it reads."""
 
-    packable = True
+    packed_dtypes = PACKED_DTYPES
     batch_invariant = True
     narrows_outputs = True
 

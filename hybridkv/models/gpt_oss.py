@@ -21,7 +21,7 @@ from hybridkv.kv.model_kv import MODEL_READERS
 from hybridkv.models import norm
 from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.fuse import FusedLinear
-from hybridkv.models.linear import Linear, output_logits
+from hybridkv.models.linear import PACKED_DTYPES, Linear, output_logits
 from hybridkv.models.llama import Attention as LlamaAttention
 from hybridkv.models.rope import Rotary, apply_rope, rope_parameters
 
@@ -145,7 +145,7 @@ class GptOssForCausalLM(CausalLM):
     """GPT-OSS. `layer_windows[i]`: layer i's sliding window (None: full attention), as `hybridkv.kv.model_kv`
     plans it; `kv_sharing` is empty."""
 
-    packable = True
+    packed_dtypes = PACKED_DTYPES
 
     def __init__(self, cfg: Mapping[str, Any]) -> None:
         super().__init__()

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.models import exact
 from hybridkv.models.fuse import FusedLinear, pack_weight, packed_linear, release
 from hybridkv.native import native_enabled
 
@@ -84,6 +85,19 @@ def pack_linears(model: nn.Module, packer: Packer = pack_weight) -> int:
         model.lm_head = TiedLogits(model.embed_tokens, packer)
         count += 1
     return count
+
+
+def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A projection of a model that computes in exact sums where it is not packed (recurrent hybrids): through the
+    packed weight once `pack_linears` packed it (a tied head became `TiedLogits`), else `exact.linear`."""
+    if getattr(module, "packed", None) is not None:
+        return module(x)
+    return exact.linear(x, module.weight, module.bias)
+
+
+def project_fused(fused: FusedLinear, x: torch.Tensor) -> torch.Tensor:
+    """`project` for a `FusedLinear`: all outputs side by side."""
+    return fused.fused(x) if fused.packed is not None else exact.linear(x, fused.weight, fused.bias)
 
 
 def output_logits(

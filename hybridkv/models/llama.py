@@ -17,7 +17,7 @@ from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.batch_invariant import ACTIVATIONS as EXACT_ACTIVATIONS
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.fused import ACT_CODES, norm_kernel
-from hybridkv.models.linear import Linear, output_logits
+from hybridkv.models.linear import PACKED_DTYPES, Linear, output_logits
 from hybridkv.models.norm import norm_constants, scaled_rms_norm
 from hybridkv.models.rope import Rotary, apply_rope, rope_parameters
 
@@ -124,7 +124,7 @@ class LlamaForCausalLM(CausalLM):
     """llama, mistral, qwen2, qwen3. `layer_windows[i]` is layer i's sliding window (None: full attention),
     as `hybridkv.kv.model_kv` plans it; dense models share no KV."""
 
-    packable = True
+    packed_dtypes = PACKED_DTYPES
     batch_invariant = True
 
     def __init__(self, cfg: Mapping[str, Any]) -> None:

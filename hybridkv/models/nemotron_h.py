@@ -1,12 +1,13 @@
 """Nemotron-H: a stack of single-mixer blocks (Mamba2 'M', attention '*', MLP '-'; MoE 'E' not yet), each
 x + mixer(RMSNorm(x)), from `hybrid_override_pattern` (or `layers_block_type`).
 
-Bit-exact in every mode: the Mamba2 chunk scan (`hybridkv.models.mamba2`) cuts at absolute multiples of
-`chunk_size` and hands its state from chunk to chunk in order, projections are row-invariant
-(`hybridkv.models.exact.linear`), and each request of a batch runs its scan alone. Multi-token calls take the
-chunk scan, one-token calls the recurrence. dt is clamped to `time_step_limit` (default (0, inf): no clamp) in
-both, as in mamba_ssm, vLLM and transformers >= 5.25. (transformers 5.24 clamped the chunk path alone at
-`time_step_min`, a value meant only for initialising dt_bias; 5.25 fixed it: see docs/architecture.md, "Oracles".)
+Bit-exact in every mode in float32 (bfloat16 makes no bit-for-bit promise and runs packed weights): the Mamba2
+chunk scan (`hybridkv.models.mamba2`) cuts at absolute multiples of `chunk_size` and hands its state from chunk to
+chunk in order, projections are row-invariant (`hybridkv.models.exact.linear`), and each request of a batch runs
+its scan alone. Multi-token calls take the chunk scan, one-token calls the recurrence. dt is clamped to
+`time_step_limit` (default (0, inf): no clamp) in both, as in mamba_ssm, vLLM and transformers >= 5.25.
+(transformers 5.24 clamped the chunk path alone at `time_step_min`, a value meant only for initialising dt_bias;
+5.25 fixed it: see docs/architecture.md, "Oracles".)
 
 Module names mirror transformers' (`layers.3.mixer.in_proj`, `norm_f`, ...) so a checkpoint loads by dropping
 `backbone.` (or `model.`). Attention has no RoPE and no biases; the MLP is down(relu(up(x))^2).
@@ -15,7 +16,7 @@ Module names mirror transformers' (`layers.3.mixer.in_proj`, `norm_f`, ...) so a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ from torch import nn
 
 from hybridkv.models import exact
 from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
-from hybridkv.models.exact import linear
+from hybridkv.models.linear import Linear, project
 from hybridkv.models.mamba2 import causal_conv, ssd_chunk_scan, ssd_step
 from hybridkv.models.norm import RMSNorm
 from hybridkv.models.state_store import round_state
@@ -112,7 +113,7 @@ class Mamba2Mixer(nn.Module):
         if cfg["mamba_hidden_act"] != "silu":
             raise ValueError(f"unsupported mamba_hidden_act {cfg['mamba_hidden_act']!r}; supported: silu")
         bias = cfg["use_bias"]
-        self.in_proj = nn.Linear(cfg["hidden_size"], self.inner + self.conv_dim + self.heads, bias=bias)
+        self.in_proj = Linear(cfg["hidden_size"], self.inner + self.conv_dim + self.heads, bias=bias)
         self.conv1d = nn.Conv1d(  # a holder of the depthwise weight [conv_dim, 1, K]; never called
             self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=cfg["use_conv_bias"]
         )
@@ -120,7 +121,7 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.heads))
         self.D = nn.Parameter(torch.ones(self.heads))
         self.norm = GatedRMSNorm(self.inner, self.inner // self.groups, cfg["layer_norm_epsilon"])
-        self.out_proj = nn.Linear(self.inner, cfg["hidden_size"], bias=bias)
+        self.out_proj = Linear(self.inner, cfg["hidden_size"], bias=bias)
 
     def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """(conv [K - 1, conv_dim], recurrent [H, P, N])."""
@@ -128,7 +129,7 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, layer: int, x: torch.Tensor, states: RecurrentStates, starts: Sequence[int]) -> torch.Tensor:
         h, p, gn = self.heads, self.head_dim, self.groups * self.state_size
-        z, xbc, dt = linear(x, self.in_proj.weight, self.in_proj.bias).split([self.inner, self.conv_dim, h], dim=-1)
+        z, xbc, dt = project(self.in_proj, x).split([self.inner, self.conv_dim, h], dim=-1)
         weight = self.conv1d.weight[:, 0]  # [conv_dim, K]
         a = -torch.exp(self.A_log.float())  # [H]
         ys = []
@@ -152,7 +153,7 @@ class Mamba2Mixer(nn.Module):
             ssm_state.copy_(new)
             ys.append(y.reshape(n, self.inner))
         y = self.norm(torch.cat(ys), z, x.dtype)  # [N, I]
-        return linear(y, self.out_proj.weight, self.out_proj.bias)
+        return project(self.out_proj, y)
 
 
 class Attention(nn.Module):
@@ -163,16 +164,16 @@ class Attention(nn.Module):
         hidden, heads, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
         kv_heads = cfg.get("num_key_value_heads") or heads
         self.head_dim, self.scale = hd, hd**-0.5
-        self.q_proj = nn.Linear(hidden, heads * hd, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(heads * hd, hidden, bias=False)
+        self.q_proj = Linear(hidden, heads * hd, bias=False)
+        self.k_proj = Linear(hidden, kv_heads * hd, bias=False)
+        self.v_proj = Linear(hidden, kv_heads * hd, bias=False)
+        self.o_proj = Linear(heads * hd, hidden, bias=False)
 
     def forward(self, layer: int, x: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         n, hd = x.shape[0], self.head_dim
-        q, k, v = (linear(x, proj.weight).view(n, -1, hd) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (project(proj, x).view(n, -1, hd) for proj in (self.q_proj, self.k_proj, self.v_proj))
         out = attn(layer, q, torch.stack((k, v), 1), self.scale)
-        return linear(out.reshape(n, -1), self.o_proj.weight)
+        return project(self.o_proj, out.reshape(n, -1))
 
 
 class MLP(nn.Module):
@@ -183,12 +184,12 @@ class MLP(nn.Module):
         if cfg["mlp_hidden_act"] != "relu2":
             raise ValueError(f"unsupported mlp_hidden_act {cfg['mlp_hidden_act']!r}; supported: relu2")
         bias = cfg["mlp_bias"]
-        self.up_proj = nn.Linear(cfg["hidden_size"], cfg["intermediate_size"], bias=bias)
-        self.down_proj = nn.Linear(cfg["intermediate_size"], cfg["hidden_size"], bias=bias)
+        self.up_proj = Linear(cfg["hidden_size"], cfg["intermediate_size"], bias=bias)
+        self.down_proj = Linear(cfg["intermediate_size"], cfg["hidden_size"], bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(linear(x, self.up_proj.weight, self.up_proj.bias)).square()
-        return linear(h, self.down_proj.weight, self.down_proj.bias)
+        h = F.relu(project(self.up_proj, x)).square()
+        return project(self.down_proj, h)
 
 
 class Block(nn.Module):
@@ -203,6 +204,8 @@ class NemotronHForCausalLM(CausalLM):
     """Nemotron-H over a flat batch. `layer_windows` (all None: full attention) and `kv_sharing` (none) follow
     the other models; `state_shapes()` gives each Mamba2 layer's (conv, recurrent) shapes."""
 
+    packed_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16,)  # float32 keeps exact sums
+
     def __init__(self, cfg: Mapping[str, Any]) -> None:
         super().__init__()
         cfg = model_config(cfg)
@@ -216,7 +219,7 @@ class NemotronHForCausalLM(CausalLM):
         self.layers = nn.ModuleList(Block(cfg, kind) for kind in kinds)
         self.norm_f = RMSNorm(cfg["hidden_size"], cfg["layer_norm_epsilon"])
         # transformers' NemotronHForCausalLM never ties its head (no tied-weight keys), so neither do we
-        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
 
     def state_shapes(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
         """Mamba2 layer index -> (conv shape, recurrent shape)."""
@@ -245,7 +248,7 @@ class NemotronHForCausalLM(CausalLM):
         return self.norm_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight)
+        return project(self.lm_head, hidden)
 
     def checkpoint_name(self, name: str) -> str | None:
         """Our state-dict name for a checkpoint tensor (drop `backbone.` / `model.`); None skips it (MTP heads)."""

@@ -4,9 +4,10 @@ Module names mirror transformers' (`layers.0.linear_attn.in_proj_qkv`, `layers.3
 text checkpoint loads by dropping `model.`, the multimodal one (`qwen3_5`) by dropping `model.language_model.`
 (its vision tower and MTP head are skipped).
 
-Exactness: every projection is `exact.linear` and every non-linearity is built from size-independent kernels
-(`exact.silu` ...), so a token's bits do not depend on what shares its call; a GDN layer runs each
-request alone: the chunked scan for a call of two or more tokens, the recurrent step for exactly one.
+Exactness (float32): every projection is `exact.linear` and every non-linearity is built from size-independent
+kernels (`exact.silu` ...), so a token's bits do not depend on what shares its call; a GDN layer runs each
+request alone: the chunked scan for a call of two or more tokens, the recurrent step for exactly one. In
+bfloat16, which makes no bit-for-bit promise, the projections run through packed weights (`linear.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hybridkv.models import gated_deltanet as gdn
 from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.exact import linear
 from hybridkv.models.fuse import FusedLinear
+from hybridkv.models.linear import Linear, project, project_fused
 from hybridkv.models.rope import Rotary, apply_rope, rope_parameters
 from hybridkv.models.state_store import round_state
 
@@ -46,10 +48,6 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * xf.to(x.dtype) * exact.silu(z.float())).to(x.dtype)
 
 
-def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, module.weight, module.bias)
-
-
 class GatedDeltaNet(nn.Module):
     """Linear attention: in_proj_qkv -> causal conv -> silu -> q, k, v; the gated delta rule per request;
     a gated RMSNorm by z; out_proj. Decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)."""
@@ -65,16 +63,16 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim  # channels q, k, v in this order
         self.kernel = cfg.get("linear_conv_kernel_dim", 4)
-        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = Linear(hidden, self.num_v_heads, bias=False)
         # Holds the checkpoint's depthwise weight [conv_dim, 1, K]; the conv itself is gdn.causal_conv1d.
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg["rms_norm_eps"])
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False)
         self.in_proj: FusedLinear | None = None  # one matmul for qkv, z, b, a: set by `fuse`
 
     def state_shapes(self) -> tuple[Shape, Shape]:
@@ -94,9 +92,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, layer: int, x: torch.Tensor, positions: torch.Tensor, states: RecurrentStates) -> torch.Tensor:
         n, hv = x.shape[0], self.num_v_heads
         if self.in_proj is not None:
-            qkv, z, b, a = linear(x, self.in_proj.weight).split(self.in_proj.sizes, -1)
+            qkv, z, b, a = project_fused(self.in_proj, x).split(self.in_proj.sizes, -1)
         else:
-            qkv, z, b, a = (_linear(p, x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+            qkv, z, b, a = (project(p, x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
         taps = self.conv1d.weight[:, 0].t().contiguous()  # [K, conv_dim]
         # Per head, in float32, token-major and contiguous: [N, Hv].
         beta = exact.sigmoid(b.float().contiguous())
@@ -126,7 +124,7 @@ class GatedDeltaNet(nn.Module):
             recurrent_state.copy_(s)
             out[t0:t1] = o
         out = self.norm(out, z.contiguous().view(n, hv, self.head_v_dim))
-        return _linear(self.out_proj, out.reshape(n, self.value_dim))
+        return project(self.out_proj, out.reshape(n, self.value_dim))
 
 
 class Attention(nn.Module):
@@ -138,10 +136,10 @@ class Attention(nn.Module):
         hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
         bias = cfg.get("attention_bias", False)
         self.head_dim, self.rotary_dim, self.scale = head_dim, rotary_dim, head_dim**-0.5
-        self.q_proj = nn.Linear(hidden, heads * head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.q_proj = Linear(hidden, heads * head_dim * 2, bias=bias)
+        self.k_proj = Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(heads * head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(head_dim, cfg["rms_norm_eps"])
         self.k_norm = RMSNorm(head_dim, cfg["rms_norm_eps"])
 
@@ -154,23 +152,23 @@ class Attention(nn.Module):
         self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
     ) -> torch.Tensor:
         n, hd = x.shape[0], self.head_dim
-        query, gate = _linear(self.q_proj, x).view(n, -1, 2 * hd).split(hd, -1)  # each [N, heads, hd]
+        query, gate = project(self.q_proj, x).view(n, -1, 2 * hd).split(hd, -1)  # each [N, heads, hd]
         q = self.rope(self.q_norm(query), cos, sin)
-        k = self.rope(self.k_norm(_linear(self.k_proj, x).view(n, -1, hd)), cos, sin)
-        v = _linear(self.v_proj, x).view(n, -1, hd)
+        k = self.rope(self.k_norm(project(self.k_proj, x).view(n, -1, hd)), cos, sin)
+        v = project(self.v_proj, x).view(n, -1, hd)
         out = attn(layer, q, torch.stack((k, v), 1), self.scale).reshape(n, -1)
-        return _linear(self.o_proj, out * exact.sigmoid(gate.reshape(n, -1)))
+        return project(self.o_proj, out * exact.sigmoid(gate.reshape(n, -1)))
 
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(self.down_proj, exact.silu(_linear(self.gate_proj, x)) * _linear(self.up_proj, x))
+        return project(self.down_proj, exact.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
 
 
 class DecoderLayer(nn.Module):
@@ -230,6 +228,7 @@ class Qwen3_5ForCausalLM(CausalLM):
     are full; GDN layers call no AttentionFn); `state_shapes()` gives each GDN layer's (conv, recurrent) shapes."""
 
     steps_states_in_place: ClassVar[bool] = True
+    packed_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16,)  # float32 keeps exact sums
 
     def __init__(self, cfg: Mapping[str, Any]) -> None:
         super().__init__()
@@ -251,7 +250,7 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.layers = nn.ModuleList(DecoderLayer(cfg, t, head_dim, rotary_dim) for t in self.layer_types)
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         tied = cfg.get("tie_word_embeddings", False)
-        self.lm_head = None if tied else nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.lm_head = None if tied else Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         self.rotary = Rotary(rope, rotary_dim)
 
     def state_shapes(self) -> dict[int, tuple[Shape, Shape]]:
@@ -280,7 +279,7 @@ class Qwen3_5ForCausalLM(CausalLM):
                 layer.linear_attn.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        return project(self.lm_head, hidden) if self.lm_head is not None else linear(hidden, self.embed_tokens.weight)
 
     def checkpoint_name(self, name: str) -> str | None:
         """Our state-dict name for a checkpoint tensor, or None to skip it (vision tower, MTP head, tied head)."""

@@ -68,7 +68,7 @@ def load_model(
     model.fuse_projections()
     if batch_invariant and model.batch_invariant:
         make_batch_invariant(model)
-    elif model.packable and packing_available(torch.device(device), resolve_dtype(dtype)):
+    elif resolve_dtype(dtype) in model.packed_dtypes and packing_available(torch.device(device), resolve_dtype(dtype)):
         pack_linears(model)
         use_fused_ops(model)
     bind_attributes(model)

@@ -150,8 +150,11 @@ def kernel_lines(engine: LLMEngine) -> list[str]:
         )
         fused = ", ".join(f"{name} in {_n(n, 'module')}" for name, n in fused_ops_used(model).items())
         lines.append(f"linears: {len(packed)} packed for oneDNN, {rows}; fused ops: {fused or 'none'}")
+    elif engine.plan.state is not None and not bf16:
+        lines.append("linears: exact sums (a row's bits do not depend on the rows beside it)")
     else:
-        why = "the model keeps plain matmuls" if not model.packable else f"{engine.config.dtype} on {engine.device}"
+        dtype, packs = engine.config.dtype, resolve_dtype(engine.config.dtype) in model.packed_dtypes
+        why = f"{dtype} on {engine.device}" if packs else f"the model keeps plain matmuls in {dtype}"
         lines.append(f"linears: plain torch ({why})")
     return lines
 

@@ -121,7 +121,7 @@ def test_plain_torch_and_recurrent_state(monkeypatch):
     native = startup_lines(LLMEngine(EngineConfig(model=str(GDN_MODEL), kv_cache_memory="16MiB")))
     assert native[2].endswith(f"; exact steps in per-request tiles of {st.align} tokens")
     assert native[3] == "state steps: in the pool (native kernel; prefill chunks gathered)"
-    assert native[4] == "linears: plain torch (the model keeps plain matmuls)"
+    assert native[4] == "linears: exact sums (a row's bits do not depend on the rows beside it)"
 
 
 def test_a_server_logs_each_line_before_it_is_healthy(tiny_gemma4):
