@@ -13,7 +13,7 @@ bfloat16, which makes no bit-for-bit promise, the projections run through packed
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -24,6 +24,7 @@ from hybridkv.models import gated_deltanet as gdn
 from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
 from hybridkv.models.exact import linear
 from hybridkv.models.fuse import FusedLinear
+from hybridkv.models.fused import ACT_CODES
 from hybridkv.models.linear import Linear, project, project_fused
 from hybridkv.models.rope import Rotary, apply_rope, rope_parameters
 from hybridkv.models.state_store import round_state
@@ -74,6 +75,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, cfg["rms_norm_eps"])
         self.out_proj = Linear(self.value_dim, hidden, bias=False)
         self.in_proj: FusedLinear | None = None  # one matmul for qkv, z, b, a: set by `fuse`
+        self._constants: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def state_shapes(self) -> tuple[Shape, Shape]:
         """(conv [K - 1, conv_dim], recurrent [Hv, dk, dv])."""
@@ -95,11 +97,15 @@ class GatedDeltaNet(nn.Module):
             qkv, z, b, a = project_fused(self.in_proj, x).split(self.in_proj.sizes, -1)
         else:
             qkv, z, b, a = (project(p, x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
-        taps = self.conv1d.weight[:, 0].t().contiguous()  # [K, conv_dim]
+        taps, decay_rate, dt_bias = self.constants()
         # Per head, in float32, token-major and contiguous: [N, Hv].
         beta = exact.sigmoid(b.float().contiguous())
-        g = -self.A_log.float().exp() * exact.softplus(a.float() + self.dt_bias.float())
+        g = decay_rate * exact.softplus(a.float() + dt_bias)
 
+        if len(states.in_place) == n:  # every token is a one-token request stepped in the pool, in order
+            mixed = exact.silu(states.conv_step(layer, qkv.contiguous(), taps.float()))
+            out = states.delta_step(layer, *gdn.step_inputs(*self._heads(mixed), g, beta)).to(x.dtype)
+            return self._output(out, z)
         out = x.new_empty(n, hv, self.head_v_dim)
         if states.in_place:  # one-token requests, batched, their states stepped in the pool
             rows = torch.tensor([states.spans[r][0] for r in states.in_place], device=x.device)
@@ -123,8 +129,21 @@ class GatedDeltaNet(nn.Module):
                                                   round_state=rounding)  # fmt: skip
             recurrent_state.copy_(s)
             out[t0:t1] = o
-        out = self.norm(out, z.contiguous().view(n, hv, self.head_v_dim))
+        return self._output(out, z)
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs [N, Hv, dv], gated by z [N, value_dim] and normed, through out_proj."""
+        n = out.shape[0]
+        out = self.norm(out, z.contiguous().view(n, self.num_v_heads, self.head_v_dim))
         return project(self.out_proj, out.reshape(n, self.value_dim))
+
+    def constants(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(conv taps [K, conv_dim] in the weight's dtype, -exp(A_log) and dt_bias in float32 [Hv]): functions of
+        the weights alone, made once at the first forward (the weights are final by then)."""
+        if self._constants is None:
+            taps = self.conv1d.weight[:, 0].t().contiguous()
+            self._constants = (taps, -self.A_log.float().exp(), self.dt_bias.float())
+        return self._constants
 
 
 class Attention(nn.Module):
@@ -161,14 +180,32 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate and up fused into one matmul (`fuse`). With the fused-ops kernel (handed
+    over only where the projections are packed: bfloat16) silu(gate) * up is one call."""
+
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate, bias=False)
         self.up_proj = Linear(hidden, intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.gate_up: FusedLinear | None = None
+        self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by `use_fused_ops`
+
+    def fuse(self) -> None:
+        self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
+
+    def use_fused_ops(self, ops: object) -> None:
+        if self.gate_up is not None:
+            self.act_and_mul = lambda gate_up: ops.act_and_mul(gate_up, ACT_CODES["silu"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(self.down_proj, exact.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
+        if self.gate_up is None:
+            gate, up = project(self.gate_proj, x), project(self.up_proj, x)
+        elif self.act_and_mul is not None:
+            return project(self.down_proj, self.act_and_mul(project_fused(self.gate_up, x)))
+        else:
+            gate, up = project_fused(self.gate_up, x).split(self.gate_up.sizes, -1)
+        return project(self.down_proj, exact.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -275,6 +312,7 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     def fuse_projections(self) -> None:
         for layer in self.layers:
+            layer.mlp.fuse()
             if layer.is_linear:
                 layer.linear_attn.fuse()
 

@@ -1,0 +1,163 @@
+"""Decode speed against llama.cpp and the bandwidth bound, same run, one checkpoint: Qwen3.5-0.8B's shapes in
+bfloat16 (random weights, `hybrid_models.py`), converted to GGUF with llama.cpp's own converter.
+
+Cases, each alternating engine by engine `--repeats` times (best kept):
+- single: one 128-token prompt, then 64 decode steps (llama-bench `-p 0 -n 64 -d 128`);
+- batched: 16 prompts x 128 tokens, 64 decode steps each (llama-batched-bench `-npp 128 -ntg 64 -npl 16`, its
+  S_TG column).
+Decode tok/s counts the tokens after the prompt's first one, over the time after it. The bound: the bytes one
+decode step must read (every projection's weight and the tied logits table, `layout_bytes` of the packed bf16
+weights) at this process's measured read bandwidth (a 512 MiB sum, best of three).
+
+Needs a llama.cpp tree built as recipes.md says (`cmake --build build --target llama-bench llama-batched-bench`
+in `llama-cpp-python`'s vendor/llama.cpp):
+
+    python benchmarks/bench_llamacpp.py --llama-cpp /tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp \
+        [--models /tmp/models] [--threads 1] [--repeats 3] [--cases single,batched]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+PROMPT, NEW, BATCH = 128, 64, 16
+
+# llama.cpp's converter wants a tokenizer; a random checkpoint has none: vocab 'none' of the config's size.
+CONVERT = """
+import sys
+from pathlib import Path
+llama = Path(sys.argv.pop(1))
+sys.path[:0] = [str(llama), str(llama / "gguf-py")]
+import convert_hf_to_gguf as conv
+from conversion.qwen import Qwen3_5TextModel
+def set_vocab(self):
+    self.gguf_writer.add_tokenizer_model("none")
+    self.gguf_writer.add_vocab_size(self.hparams["vocab_size"])
+Qwen3_5TextModel.set_vocab = set_vocab
+conv.main()
+"""
+
+
+def gguf(llama: Path, folder: Path) -> Path:
+    out = folder / "model-bf16.gguf"
+    if not out.exists():
+        args = [sys.executable, "-c", CONVERT, str(llama), str(folder), "--outtype", "bf16", "--no-mtp"]
+        subprocess.run([*args, "--outfile", str(out)], check=True, capture_output=True)
+    return out
+
+
+def read_bandwidth() -> float:
+    """Bytes per second one thread reads (a sum over 512 MiB of float32), best of three."""
+    x = torch.ones(128 << 20, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def step_bytes(model: torch.nn.Module) -> int:
+    """The weight bytes a decode step reads: every packed projection (`layout_bytes`), the tied head included."""
+    from hybridkv.models.packed_rows import layout_bytes
+    from hybridkv.serve.startup import linear_readers
+
+    readers = linear_readers(model)
+    if not readers:
+        raise SystemExit("the model's projections are not packed (bfloat16 on a CPU oneDNN packs for): no bound")
+    return sum(layout_bytes(r.out_features, r.in_features) for r in readers)
+
+
+class Ours:
+    def __init__(self, folder: Path) -> None:
+        from hybridkv.engine.llm import LLM
+        from hybridkv.request.sampling_params import SamplingParams
+
+        self.llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory="2GiB", max_model_len=PROMPT + NEW + 16,
+                       enable_prefix_caching=False)  # fmt: skip
+        self.params = SamplingParams(max_tokens=NEW + 1, temperature=0, ignore_eos=True)
+        self.rng = random.Random(0)
+
+    def decode_rate(self, batch: int) -> float:
+        """Decode tok/s of `batch` fresh prompts: tokens after each prompt's first, over the time after them."""
+        engine = self.llm.engine
+        vocab = engine.vocab_size
+        reqs = [engine.add_request([self.rng.randrange(4, vocab) for _ in range(PROMPT)], self.params)
+                for _ in range(batch)]  # fmt: skip
+        while not all(r.output_token_ids for r in reqs):
+            engine.step()
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        return batch * NEW / (time.perf_counter() - start)
+
+
+def llama_single(bin_dir: Path, model: Path, threads: int) -> float:
+    args = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "0", "-n", str(NEW),
+            "-d", str(PROMPT), "-r", "1", "-o", "json"]  # fmt: skip
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    return json.loads(out)[0]["avg_ts"]
+
+
+def llama_batched(bin_dir: Path, model: Path, threads: int) -> float:
+    args = [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-t", str(threads), "-tb", str(threads),
+            "-c", "4096", "-npp", str(PROMPT), "-ntg", str(NEW), "-npl", str(BATCH),
+            "--output-format", "jsonl"]  # fmt: skip
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return rows[-1]["speed_tg"]
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp source tree with build/bin tools")
+    ap.add_argument("--models", type=Path, default=None, help="folder to keep the checkpoint and GGUF in")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cases", default="single,batched")
+    args = ap.parse_args()
+    bin_dir = args.llama_cpp / "build" / "bin"
+    if not (bin_dir / "llama-bench").exists():
+        raise SystemExit(f"no {bin_dir / 'llama-bench'}: build llama.cpp's tools first (recipes.md)")
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(HERE))
+    from hybrid_models import build
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build((args.models or Path(tmp)) / "qwen3.5-0.8b", "0.8b")
+        model = gguf(args.llama_cpp, folder)
+        ours = Ours(folder)
+        bound = read_bandwidth() / step_bytes(ours.llm.engine.model)  # single-stream decode tok/s at most
+        print(f"CPU {cpu_name()}, {args.threads} thread(s); bound {bound:.2f} tok/s single stream")
+        runs = {"single": (1, llama_single), "batched": (BATCH, llama_batched)}
+        print(f"{'case':<10}{'hybridkv':>12}{'llama.cpp':>12}{'ratio':>9}{'hkv/bound':>11}{'llama/bound':>13}")
+        for case in args.cases.split(","):
+            batch, theirs = runs[case]
+            best_ours = best_theirs = 0.0
+            for _ in range(args.repeats):
+                best_ours = max(best_ours, ours.decode_rate(batch))
+                best_theirs = max(best_theirs, theirs(bin_dir, model, args.threads))
+            share = f"{best_ours / bound:>10.0%} {best_theirs / bound:>12.0%}" if batch == 1 else ""
+            print(f"{case:<10}{best_ours:>12.2f}{best_theirs:>12.2f}{best_ours / best_theirs:>8.2f}x {share}")
+
+
+if __name__ == "__main__":
+    main()
