@@ -175,72 +175,62 @@ struct HeadAt {
   int64_t scale_at;
 };
 
+// The cache lines of bytes [offset, offset + n) of a blob, on their way in.
+inline void prefetch_row(const Blob& blob, int64_t offset, int64_t n) {
+  const uint8_t* ahead = blob.locate(offset);
+  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(ahead + b);
+}
+
 // One (request, head): the [dk, dv] state, stored as `kind`, stepped in float32.
 // Pass 1 reads each row where it lies in the pool, keeps it decayed in `state` (L2-sized) and folds it into pred;
-// pass 2 steps each row and streams it to the destination at once, prefetching the next head's row (`next`, null
-// for none): the pool's bytes stream in once and out once, and the arithmetic overlaps the memory traffic. (A row
-// that straddles a segment end goes through a gather or scatter copy; bfloat16 and int8 rows go through row_buf.)
+// pass 2 steps each row and writes it to the destination at once. Both passes prefetch half the next head's rows
+// (`next`, null for none): the pool's bytes stream in once and out once, and the arithmetic overlaps the memory
+// traffic. row_buf [dv * 5 bytes]: a float32 row, then int8 codes (a row that straddles a segment end is gathered
+// or scattered through it; float32 rows leave through it by non-temporal stores).
 template <Storage kind>
 void delta_head(const Blob& src, const Blob& dst, HeadAt head, int64_t dk, int64_t dv, const float* __restrict q,
                 const float* __restrict k, const float* __restrict v, float g, float bt, float* __restrict o,
                 uint8_t* __restrict row_buf, float* __restrict state, float* __restrict pred,
                 float* __restrict delta, const Blob* next, HeadAt next_head) {
-  constexpr int64_t item = kind == kFloat32 ? 4 : kind == kBFloat16 ? 2 : 1;
-  const int64_t row_bytes = dv * item, at = head.at;
+  using Item = std::conditional_t<kind == kFloat32, float, std::conditional_t<kind == kBFloat16, c10::BFloat16, int8_t>>;
+  const int64_t row_bytes = dv * static_cast<int64_t>(sizeof(Item)), at = head.at;
   std::fill(pred, pred + dv, 0.f);
-  for (int64_t i = 0; i < dk; ++i) {
+  for (int64_t i = 0; i < dk; ++i) {  // half the next head's rows start on their way in during this pass
+    if (next != nullptr && i % 2 == 0) prefetch_row(*next, next_head.at + (i / 2) * row_bytes, row_bytes);
     float* __restrict si = state + i * dv;
-    const float* row = si;
-    if constexpr (kind == kFloat32) {
-      row = reinterpret_cast<const float*>(src.span(at + i * row_bytes, row_bytes));
-      if (row == nullptr) {  // the row straddles a segment end: gathered
-        src.copy<true>(at + i * row_bytes, row_bytes, reinterpret_cast<uint8_t*>(si));
-        row = si;
-      }
-    } else if constexpr (kind == kBFloat16) {
-      src.copy<true>(at + i * row_bytes, row_bytes, row_buf);
-      const auto* wide = reinterpret_cast<const c10::BFloat16*>(row_buf);
-      for (int64_t j = 0; j < dv; ++j) si[j] = static_cast<float>(wide[j]);
-    } else {
+    if constexpr (kind == kInt8) {
       float scale;
       src.copy<true>(head.scale_at + i * 4, 4, reinterpret_cast<uint8_t*>(&scale));
-      src.copy<true>(at + i * row_bytes, row_bytes, row_buf);
-      dequantize_row(reinterpret_cast<const int8_t*>(row_buf), scale, si, dv);
-    }
-    const float ki = k[i];
-    for (int64_t j = 0; j < dv; ++j) {
-      si[j] = row[j] * g;  // the decayed state, kept for pass 2
-      pred[j] = pred[j] + si[j] * ki;
+      src.copy<true>(at + i * row_bytes, row_bytes, row_buf + dv * 4);
+      dequantize_row(reinterpret_cast<const int8_t*>(row_buf + dv * 4), scale, reinterpret_cast<float*>(row_buf), dv);
+      decay_row(reinterpret_cast<const float*>(row_buf), g, k[i], si, pred, dv);
+    } else {
+      const auto* row = reinterpret_cast<const Item*>(src.span(at + i * row_bytes, row_bytes));
+      if (row == nullptr) {  // the row straddles a segment end: gathered
+        src.copy<true>(at + i * row_bytes, row_bytes, row_buf);
+        row = reinterpret_cast<const Item*>(row_buf);
+      }
+      decay_row(row, g, k[i], si, pred, dv);
     }
   }
   for (int64_t j = 0; j < dv; ++j) delta[j] = (v[j] - pred[j]) * bt;
   std::fill(o, o + dv, 0.f);
-  for (int64_t i = 0; i < dk; ++i) {
-    float* __restrict si = state + i * dv;
-    const float ki = k[i], qi = q[i];
-    if (next != nullptr) {
-      const uint8_t* ahead = next->locate(next_head.at + i * row_bytes);
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
-    }
-    for (int64_t j = 0; j < dv; ++j) {
-      const float stepped = si[j] + ki * delta[j];
-      si[j] = stepped;
-      o[j] = o[j] + qi * stepped;
-    }
+  auto* buf = reinterpret_cast<float*>(row_buf);
+  for (int64_t i = 0; i < dk; ++i) {  // and the other half during this one
+    if (next != nullptr && i % 2 == 0) prefetch_row(*next, next_head.at + (dk / 2 + i / 2) * row_bytes, row_bytes);
+    const float* si = state + i * dv;
     if constexpr (kind == kFloat32) {
       auto* row = reinterpret_cast<float*>(dst.span(at + i * row_bytes, row_bytes));
-      if (row != nullptr) {
-        stream_row(row, si, dv);
-      } else {
-        dst.copy<false>(at + i * row_bytes, row_bytes, reinterpret_cast<uint8_t*>(si));
-      }
+      step_row(si, k[i], delta, q[i], o, row != nullptr ? row : buf, dv);
+      if (row == nullptr) dst.copy<false>(at + i * row_bytes, row_bytes, row_buf);
     } else if constexpr (kind == kBFloat16) {
-      auto* narrow = reinterpret_cast<c10::BFloat16*>(row_buf);
-      for (int64_t j = 0; j < dv; ++j) narrow[j] = static_cast<c10::BFloat16>(si[j]);  // round to nearest even
-      dst.copy<false>(at + i * row_bytes, row_bytes, row_buf);
+      auto* row = reinterpret_cast<c10::BFloat16*>(dst.span(at + i * row_bytes, row_bytes));
+      step_row(si, k[i], delta, q[i], o, row != nullptr ? row : reinterpret_cast<c10::BFloat16*>(row_buf), dv);
+      if (row == nullptr) dst.copy<false>(at + i * row_bytes, row_bytes, row_buf);
     } else {
-      float scale = quantize_row(si, reinterpret_cast<int8_t*>(row_buf), dv);
-      dst.copy<false>(at + i * row_bytes, row_bytes, row_buf);
+      step_row(si, k[i], delta, q[i], o, buf, dv);
+      float scale = quantize_row(buf, reinterpret_cast<int8_t*>(row_buf) + dv * 4, dv);
+      dst.copy<false>(at + i * row_bytes, row_bytes, row_buf + dv * 4);
       dst.copy<false>(head.scale_at + i * 4, 4, reinterpret_cast<uint8_t*>(&scale));
     }
   }
@@ -273,7 +263,7 @@ torch::Tensor delta_step(const torch::Tensor& q, const torch::Tensor& k, const t
   auto head_at = [&](int64_t h) { return HeadAt{offset + h * dk * dv * item, offset + scales + h * dk * 4}; };
   at::parallel_for(0, n * heads, 1, [&](int64_t b, int64_t e) {
     std::vector<float> state(dk * dv), pred(dv), delta(dv);
-    std::vector<uint8_t> row(dv * 4);
+    std::vector<uint8_t> row(dv * 5);  // a float32 row, then int8 codes
     for (int64_t rh = b; rh < e; ++rh) {
       const int64_t r = rh / heads, h = rh % heads;
       const Blob from{st, s + r * segments, segments}, to{st, d + r * segments, segments};
