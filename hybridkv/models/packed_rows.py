@@ -1,6 +1,6 @@
 """A linear weight packed once into oneDNN's blocked layout, and the two readers of it: oneDNN's matmul for
 prefill-sized inputs, and the `packed_rows` kernel (`models/kernels/packed_rows.cpp`) for the few rows of a decode
-step, where a linear is a stream over its weight (oneDNN reads it at 9-13 GB/s of this core's ~25).
+step (up to 32 rows), where a linear streams its weight: the kernel keeps that stream under its arithmetic.
 
 The kernel reads the packed bytes in place: no second copy. It is used for a weight only when it can be trusted
 there: bfloat16, the size oneDNN's layout would have, and a probe product equal to oneDNN's bit for bit (a CPU
@@ -18,10 +18,11 @@ import torch
 from hybridkv.native import load_kernel
 
 SOURCE = Path(__file__).parent / "kernels" / "packed_rows.cpp"
-# rows x threads up to which the kernel beats oneDNN (one thread: 1.3-2x at 1-4 rows, 1.15x at 8; two threads
-# share the read bandwidth: ~1.2x at 1-2 rows, 0.85-1.05x at 4)
-ROW_THREADS_LIMIT = 4
-PROBE_ROWS = (1, 2, 4)
+# rows x threads up to which the kernel beats oneDNN where the weights stream from memory (measured AMD EPYC, Qwen3.5-
+# 0.8B shape, decode step: one thread 1.3x at 8 rows, 1.3x at 16, 1.1x at 32; two threads 1.1x at 2 x 2 rows, 1.4x at
+# 2 x 4, 1.2x at 2 x 8). Every row count it may take is probed.
+ROW_THREADS_LIMIT = 32
+PROBE_ROWS = (1, 2, 4, 8, 16, 32)
 
 
 @functools.cache
@@ -74,15 +75,17 @@ def readable_address(packed: torch.Tensor, n: int, k: int) -> int | None:
 
 def cancelling_probe(n: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A [n, k] weight whose rows sum to exactly zero (the second half holds the first half's values negated,
-    in another order, magnitudes over 2^+-12) and x [4, k]: a row of ones, then random rows. Against the ones,
-    every output is the rounding residue of its summation order, so an order that differs from oneDNN's shows
-    in almost every output."""
+    in another order, magnitudes over 2^+-12) and x [32, k]: random rows, rows of ones at 0, 1, 3, 7, 15 and 31
+    (the last of each probed row count). Against the ones, every output is the rounding residue of its summation
+    order, so an order that differs from oneDNN's shows in almost every output."""
     half = k // 2
     scale = torch.exp2(torch.randint(-12, 13, (n, half), generator=generator).float())  # sums that round in fp32
     first = (torch.randn(n, half, generator=generator) * scale).to(torch.bfloat16)
     second = -first.gather(1, torch.rand(n, half, generator=generator).argsort(dim=1))
     tail = torch.zeros(n, k - 2 * half, dtype=torch.bfloat16)
-    x = torch.cat([torch.ones(1, k), torch.randn(3, k, generator=generator)]).to(torch.bfloat16)
+    x = torch.randn(max(PROBE_ROWS), k, generator=generator)
+    x[[0, 1, 3, 7, 15, 31]] = 1.0
+    x = x.to(torch.bfloat16)
     return torch.cat([first, second, tail], dim=1), x
 
 

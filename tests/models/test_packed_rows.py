@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(
 
 # (N, K): N and K off the 64 / 32 blocks, K at and past oneDNN's 512 / 1024 K blocks
 SHAPES = [(100, 72), (130, 1000), (256, 1024), (192, 2048), (64, 3072), (80, 1536), (320, 1100)]
-ROWS = (1, 2, 3, 4, 5, 8, 13)
+ROWS = (1, 2, 3, 4, 5, 8, 13, 16, 17, 32)  # one register block, several groups of 4, a partial group
 needs_kernel = pytest.mark.skipif(rows_kernel() is None, reason="no packed_rows kernel (no AVX512-BF16 or compiler)")
 
 
@@ -127,14 +127,14 @@ def test_strided_rows_are_read_as_rows(path, monkeypatch):
         assert torch.equal(rows_kernel().linear_rows(x, packed.address, 96, 64, None), want)
 
 
-@pytest.mark.parametrize(("threads", "kernel_rows"), [(1, (1, 2, 3, 4)), (2, (1, 2))])
+@pytest.mark.parametrize(("threads", "kernel_rows"), [(1, (1, 4, 5, 16, 17, 32)), (2, (1, 4, 5, 16))])
 def test_routes_only_the_rows_it_wins_at(monkeypatch, threads, kernel_rows, path):
     weight = torch.randn(128, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
     kernel = trusted(128, 256)
     packed = PackedWeight(weight)
     calls = counting(monkeypatch)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    for m in range(1, 9):
+    for m in (1, 4, 5, 16, 17, 32, 33):
         x = torch.randn(m, 256).bfloat16()
         assert torch.equal(packed(x, None), onednn(x, weight))
     assert tuple(calls) == (kernel_rows if kernel else ())

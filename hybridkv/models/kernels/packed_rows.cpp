@@ -1,19 +1,24 @@
 // Few-row bfloat16 linears read straight from oneDNN's packed weight: y [M, N] = x [M, K] @ W^T (+ bias), for the
-// M <= 4 rows of a decode step, where a linear is a stream over its weight and oneDNN's brgemm reaches 9-13 GB/s
-// of this core's ~25 (measured: 1.3-2x faster at 1-4 rows, one thread, Qwen3-0.6B's projection shapes).
+// M <= 32 rows of a decode step, where a linear streams its weight from memory. oneDNN's brgemm leaves that stream
+// and its arithmetic one after the other (at 16 rows a Qwen3.5-0.8B step took the sum of both, ~84 ms = 36 + 50);
+// this kernel keeps the stream under the arithmetic (measured 1.3x at 1-16 rows, one thread, AMD EPYC).
 //
 // The weight is oneDNN's blocked bf16 layout on AVX512-BF16 CPUs without AMX: [Np/64][Kp/2][64][2], Kp = K
 // rounded up to 32 and Np = N up to 64, zero padded (the caller checks the size and a probe product before use).
-// One task owns one 64-output block and streams its Kp * 128 bytes once for every four rows.
+// One task owns one 64-output block and streams its Kp * 128 bytes once:
+//   M <= 4   the rows' sums stay in registers over each K block (`block_rows`);
+//   M > 4    K in chunks of 64 pairs (16 KiB, in L1) that every group of 4 rows runs in turn, their sums
+//            waiting in memory between chunks, while the groups prefetch the next chunk (`block_many`).
 //
-// The bits equal oneDNN's (torch 2.13's, measured on every shape the tests list): each output lane accumulates
-// vdpbf16ps pair products in k order, in K blocks of `k_block` that start from zero and are added in order,
-// then the bias, then one rounding. oneDNN's K block is 512, or 1024 for two rows or more when K > 1024.
+// The bits equal oneDNN's (torch 2.13's, measured on every shape the tests list, 1-32 rows): each output lane
+// accumulates vdpbf16ps pair products in k order, in K blocks that start from zero and are added in order, then
+// the bias, then one rounding. oneDNN's K block is 512, or 1024 for two rows or more when K > 1024.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -27,18 +32,46 @@ constexpr int64_t kBlockN = 64;  // outputs per weight block: 4 vectors of 16 fl
 template <int R>
 void block_rows(const __m512i* w, const uint32_t* x, int64_t ldx, int64_t pairs, int64_t block_pairs, float* acc_out) {
   __m512 acc[R][4], total[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = total[r][j] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p, w += 4) {
-    if (p > 0 && p % block_pairs == 0) {  // a K block ends: total += its partial sums
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < 4; ++j) {
-          total[r][j] = p == block_pairs ? acc[r][j] : _mm512_add_ps(total[r][j], acc[r][j]);
-          acc[r][j] = _mm512_setzero_ps();
-        }
+  for (int64_t p0 = 0; p0 < pairs; p0 += block_pairs) {  // one K block: partial sums from zero, then total += them
+    const int64_t p1 = std::min(pairs, p0 + block_pairs);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t p = p0; p < p1; ++p) {
+      const __m512i* wp = w + 4 * p;
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 1);
+      const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 2), w3 = (__m512bh)_mm512_loadu_si512(wp + 3);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + p]));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
+        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xb);
+        acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xb);
+      }
     }
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 1);
-    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2), w3 = (__m512bh)_mm512_loadu_si512(w + 3);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) total[r][j] = p0 == 0 ? acc[r][j] : _mm512_add_ps(total[r][j], acc[r][j]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc_out + r * kBlockN + j * 16, total[r][j]);
+}
+
+using BlockFn = void (*)(const __m512i*, const uint32_t*, int64_t, int64_t, int64_t, float*);
+constexpr BlockFn kBlockFns[4] = {block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>};
+
+// rows [0, R) x one 64-output block over pairs [p0, p1), continuing the partial sums in `part` [R][64].
+template <int R>
+void chunk_rows(const __m512i* w, const uint32_t* x, int64_t ldx, int64_t p0, int64_t p1, float* part,
+                const __m512i* ahead, int per) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_loadu_ps(part + r * kBlockN + j * 16);
+  for (int64_t p = p0; p < p1; ++p) {
+    const __m512i* wp = w + 4 * p;
+    if (ahead != nullptr) {
+      for (int j = 0; j < per; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + per * (p - p0) + j), _MM_HINT_T0);
+    }
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 1);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 2), w3 = (__m512bh)_mm512_loadu_si512(wp + 3);
     for (int r = 0; r < R; ++r) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + p]));
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
@@ -47,14 +80,37 @@ void block_rows(const __m512i* w, const uint32_t* x, int64_t ldx, int64_t pairs,
       acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xb);
     }
   }
-  const bool blocked = pairs > block_pairs;
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j)
-      _mm512_storeu_ps(acc_out + r * kBlockN + j * 16, blocked ? _mm512_add_ps(total[r][j], acc[r][j]) : acc[r][j]);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(part + r * kBlockN + j * 16, acc[r][j]);
 }
 
-using BlockFn = void (*)(const __m512i*, const uint32_t*, int64_t, int64_t, int64_t, float*);
-constexpr BlockFn kBlockFns[4] = {block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>};
+using ChunkFn = void (*)(const __m512i*, const uint32_t*, int64_t, int64_t, int64_t, float*, const __m512i*,
+                         int);
+constexpr ChunkFn kChunkFns[4] = {chunk_rows<1>, chunk_rows<2>, chunk_rows<3>, chunk_rows<4>};
+constexpr int64_t kChunkPairs = 64;  // 16 KiB of one block's weight: read from memory once, from L1 by each group
+
+// rows [0, m) x one 64-output block, m > 4: K in chunks of kChunkPairs, each chunk run by every group of 4 rows
+// while it sits in L1 (the groups' partial sums wait in `part`). Per lane the same additions in the same order as
+// block_rows, so the same bits. -> total [m][64].
+void block_many(const __m512i* w, const uint32_t* x, int64_t ldx, int64_t m, int64_t pairs, int64_t block_pairs,
+                float* total, float* part) {
+  for (int64_t p0 = 0; p0 < pairs; p0 += block_pairs) {
+    const int64_t p1 = std::min(pairs, p0 + block_pairs);
+    std::fill(part, part + m * kBlockN, 0.f);
+    for (int64_t c0 = p0; c0 < p1; c0 += kChunkPairs) {
+      const int64_t c1 = std::min(p1, c0 + kChunkPairs);
+      // The groups share fetching the next chunk's 4 * len lines (in this block, or the next block's first), `per`
+      // lines an iteration each, so the memory stream runs under the arithmetic.
+      const int64_t len = c1 - c0, groups = (m + 3) / 4;
+      const int per = static_cast<int>((4 + groups - 1) / groups);
+      for (int64_t g0 = 0, g = 0; g0 < m; g0 += 4, ++g) {
+        const __m512i* ahead = g * per < 4 ? w + 4 * c1 + g * per * len : nullptr;
+        kChunkFns[std::min<int64_t>(4, m - g0) - 1](w, x + g0 * ldx, ldx, c0, c1, part + g0 * kBlockN, ahead, per);
+      }
+    }
+    for (int64_t i = 0; i < m * kBlockN; ++i) total[i] = p0 == 0 ? part[i] : total[i] + part[i];
+  }
+}
 
 }  // namespace
 
@@ -74,20 +130,22 @@ torch::Tensor linear_rows(const torch::Tensor& x, int64_t address, int64_t n_out
   const int64_t block_pairs = (m >= 2 && k > 1024 ? 1024 : 512) / 2;
   const c10::BFloat16* b = bias ? bias->data_ptr<c10::BFloat16>() : nullptr;
   auto out = torch::empty({m, n_out}, x.options());
+  if (m == 0) return out;  // a prefill chunk that samples nothing
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    alignas(64) float acc[4 * kBlockN];
+    std::vector<float> acc(m * kBlockN), part(m > 4 ? m * kBlockN : 0);
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * kBlockN, width = std::min(kBlockN, n_out - n0);
-      for (int64_t m0 = 0; m0 < m; m0 += 4) {  // rows after the first four re-read the block from L2
-        const int64_t rows = std::min<int64_t>(4, m - m0);
-        kBlockFns[rows - 1](w + blk * pairs * 4, xs + m0 * pairs, pairs, pairs, block_pairs, acc);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t j = 0; j < width; ++j) {
-            const float v = acc[r * kBlockN + j];
-            o[(m0 + r) * n_out + n0 + j] = static_cast<c10::BFloat16>(b ? v + static_cast<float>(b[n0 + j]) : v);
-          }
+      if (m <= 4) {
+        kBlockFns[m - 1](w + blk * pairs * 4, xs, pairs, pairs, block_pairs, acc.data());
+      } else {
+        block_many(w + blk * pairs * 4, xs, pairs, m, pairs, block_pairs, acc.data(), part.data());
       }
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = 0; j < width; ++j) {
+          const float v = acc[r * kBlockN + j];
+          o[r * n_out + n0 + j] = static_cast<c10::BFloat16>(b ? v + static_cast<float>(b[n0 + j]) : v);
+        }
     }
   });
   return out;
