@@ -233,6 +233,22 @@ def report_capped_paths() -> None:
     print(json.dumps(out))
 
 
+def cpu_flags() -> set[str]:
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    return set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+
+
+@needs_kernel
+@pytest.mark.skipif(
+    "amx_bf16" in cpu_flags() or "avx512_bf16" not in cpu_flags() or "ONEDNN_MAX_CPU_ISA" in os.environ,
+    reason="oneDNN packs the kernel's layout only on AVX512-BF16 CPUs without AMX, uncapped",
+)
+def test_the_kernel_is_trusted_where_onednn_packs_its_layout():
+    """The probe keeps oneDNN wherever the kernel disagrees, so a kernel bug alone would pass every bit test by
+    turning the fast path off. On the CPUs the kernel is written for, it must be on for every shape."""
+    assert all(packed_rows.kernel_matches_onednn(n, k) for n, k in SHAPES)
+
+
 @needs_kernel
 def test_a_capped_onednn_keeps_onednn():
     """With ONEDNN_MAX_CPU_ISA=AVX512_CORE oneDNN packs bf16 weights for another ISA (as an AMX CPU's does): the
