@@ -43,12 +43,6 @@ struct Blob {
   const int64_t* addr;    // [P]
   int64_t segments;
 
-  // The address of blob byte `offset`.
-  const uint8_t* locate(int64_t offset) const {
-    const int64_t s = std::upper_bound(starts, starts + segments + 1, offset) - starts - 1;
-    return reinterpret_cast<const uint8_t*>(addr[s]) + (offset - starts[s]);
-  }
-
   // The address of bytes [offset, offset + n) when they lie in one segment, else null.
   uint8_t* span(int64_t offset, int64_t n) const {
     const int64_t s = std::upper_bound(starts, starts + segments + 1, offset) - starts - 1;
@@ -175,10 +169,38 @@ struct HeadAt {
   int64_t scale_at;
 };
 
-// The cache lines of bytes [offset, offset + n) of a blob, on their way in.
-inline void prefetch_row(const Blob& blob, int64_t offset, int64_t n) {
-  const uint8_t* ahead = blob.locate(offset);
-  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(ahead + b);
+// Rows of `row_bytes` from blob byte `offset` on, in order: one segment lookup per segment, not per row.
+struct RowWalk {
+  const Blob& blob;
+  int64_t offset, row_bytes, end;  // rows up to blob byte `end`
+  uint8_t* at = nullptr;
+  int64_t left = 0;  // bytes of the current segment from `at` on
+
+  // The next row's address where it lies in one segment, else null (it straddles a segment end, or is past `end`).
+  uint8_t* next() {
+    if (offset + row_bytes > end) return nullptr;
+    if (left < row_bytes) {
+      const int64_t s = std::upper_bound(blob.starts, blob.starts + blob.segments + 1, offset) - blob.starts - 1;
+      at = reinterpret_cast<uint8_t*>(blob.addr[s]) + (offset - blob.starts[s]);
+      left = blob.starts[s + 1] - offset;
+    }
+    offset += row_bytes;
+    if (left < row_bytes) {
+      left = 0;
+      return nullptr;
+    }
+    uint8_t* row = at;
+    at += row_bytes;
+    left -= row_bytes;
+    return row;
+  }
+};
+
+// The cache lines of the next row of `walk` on their way in (a straddling row is left to the hardware).
+inline void prefetch_row(RowWalk& walk) {
+  if (const uint8_t* row = walk.next()) {
+    for (int64_t b = 0; b < walk.row_bytes; b += 64) __builtin_prefetch(row + b);
+  }
 }
 
 // One (request, head): the [dk, dv] state, stored as `kind`, stepped in float32.
@@ -194,9 +216,12 @@ void delta_head(const Blob& src, const Blob& dst, HeadAt head, int64_t dk, int64
                 float* __restrict delta, const Blob* next, HeadAt next_head) {
   using Item = std::conditional_t<kind == kFloat32, float, std::conditional_t<kind == kBFloat16, c10::BFloat16, int8_t>>;
   const int64_t row_bytes = dv * static_cast<int64_t>(sizeof(Item)), at = head.at;
+  const int64_t size = dk * row_bytes;
+  RowWalk from{src, at, row_bytes, at + size}, to{dst, at, row_bytes, at + size};
+  RowWalk ahead{next != nullptr ? *next : src, next_head.at, row_bytes, next_head.at + size};
   std::fill(pred, pred + dv, 0.f);
   for (int64_t i = 0; i < dk; ++i) {  // half the next head's rows start on their way in during this pass
-    if (next != nullptr && i % 2 == 0) prefetch_row(*next, next_head.at + (i / 2) * row_bytes, row_bytes);
+    if (next != nullptr && i % 2 == 0) prefetch_row(ahead);
     float* __restrict si = state + i * dv;
     if constexpr (kind == kInt8) {
       float scale;
@@ -205,7 +230,7 @@ void delta_head(const Blob& src, const Blob& dst, HeadAt head, int64_t dk, int64
       dequantize_row(reinterpret_cast<const int8_t*>(row_buf + dv * 4), scale, reinterpret_cast<float*>(row_buf), dv);
       decay_row(reinterpret_cast<const float*>(row_buf), g, k[i], si, pred, dv);
     } else {
-      const auto* row = reinterpret_cast<const Item*>(src.span(at + i * row_bytes, row_bytes));
+      const auto* row = reinterpret_cast<const Item*>(from.next());
       if (row == nullptr) {  // the row straddles a segment end: gathered
         src.copy<true>(at + i * row_bytes, row_bytes, row_buf);
         row = reinterpret_cast<const Item*>(row_buf);
@@ -217,14 +242,14 @@ void delta_head(const Blob& src, const Blob& dst, HeadAt head, int64_t dk, int64
   std::fill(o, o + dv, 0.f);
   auto* buf = reinterpret_cast<float*>(row_buf);
   for (int64_t i = 0; i < dk; ++i) {  // and the other half during this one
-    if (next != nullptr && i % 2 == 0) prefetch_row(*next, next_head.at + (dk / 2 + i / 2) * row_bytes, row_bytes);
+    if (next != nullptr && i % 2 == 0) prefetch_row(ahead);
     const float* si = state + i * dv;
     if constexpr (kind == kFloat32) {
-      auto* row = reinterpret_cast<float*>(dst.span(at + i * row_bytes, row_bytes));
+      auto* row = reinterpret_cast<float*>(to.next());
       step_row(si, k[i], delta, q[i], o, row != nullptr ? row : buf, dv);
       if (row == nullptr) dst.copy<false>(at + i * row_bytes, row_bytes, row_buf);
     } else if constexpr (kind == kBFloat16) {
-      auto* row = reinterpret_cast<c10::BFloat16*>(dst.span(at + i * row_bytes, row_bytes));
+      auto* row = reinterpret_cast<c10::BFloat16*>(to.next());
       step_row(si, k[i], delta, q[i], o, row != nullptr ? row : reinterpret_cast<c10::BFloat16*>(row_buf), dv);
       if (row == nullptr) dst.copy<false>(at + i * row_bytes, row_bytes, row_buf);
     } else {
