@@ -5,9 +5,10 @@ Cases, each alternating engine by engine `--repeats` times (best kept):
 - single: one 128-token prompt, then 64 decode steps (llama-bench `-p 0 -n 64 -d 128`);
 - batched: 16 prompts x 128 tokens, 64 decode steps each (llama-batched-bench `-npp 128 -ntg 64 -npl 16`, its
   S_TG column).
-Decode tok/s counts the tokens after the prompt's first one, over the time after it. The bound: the bytes one
-decode step must read (every projection's weight and the tied logits table, `layout_bytes` of the packed bf16
-weights) at this process's measured read bandwidth (a 512 MiB sum, best of three).
+Decode tok/s counts the tokens after the prompt's first one, over the time after it. The bounds: single stream,
+the bytes one decode step must read (every projection's weight and the tied logits table, `layout_bytes` of the
+packed bf16 weights) at this process's measured read bandwidth (a 512 MiB sum, best of three); batched, the
+projections' arithmetic (2 FLOP per weight per token) at this process's best bf16 matmul rate (`matmul_peak`).
 
 Needs a llama.cpp tree built as recipes.md says (`cmake --build build --target llama-bench llama-batched-bench`
 in `llama-cpp-python`'s vendor/llama.cpp):
@@ -66,6 +67,22 @@ def read_bandwidth() -> float:
         x.sum()
         best = min(best, time.perf_counter() - t)
     return x.numel() * 4 / best
+
+
+def matmul_peak() -> float:
+    """FLOP/s of this process's best bf16 matmul: oneDNN, a 512-row input on a packed [8192, 1024] weight, best of
+    five (the arithmetic bound of a batched decode step, whose projections compute 2 x params FLOP per row)."""
+    from hybridkv.models.packed_rows import PackedWeight
+
+    weight = PackedWeight(torch.randn(8192, 1024).bfloat16())
+    x = torch.randn(512, 1024).bfloat16()
+    weight.onednn(x, None)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        weight.onednn(x, None)
+        best = min(best, time.perf_counter() - t)
+    return 2 * 512 * 8192 * 1024 / best
 
 
 def step_bytes(model: torch.nn.Module) -> int:
@@ -145,8 +162,15 @@ def main() -> None:
         folder = build((args.models or Path(tmp)) / "qwen3.5-0.8b", "0.8b")
         model = gguf(args.llama_cpp, folder)
         ours = Ours(folder)
-        bound = read_bandwidth() / step_bytes(ours.llm.engine.model)  # single-stream decode tok/s at most
-        print(f"CPU {cpu_name()}, {args.threads} thread(s); bound {bound:.2f} tok/s single stream")
+        weights = step_bytes(ours.llm.engine.model)
+        bound = read_bandwidth() / weights  # single-stream decode tok/s at most
+        peak = matmul_peak()
+        compute = peak / weights  # tok/s at most in any batch: 2 FLOP per 2-byte weight per token
+        print(
+            f"CPU {cpu_name()}, {args.threads} thread(s); bound {bound:.2f} tok/s single stream (weights at the "
+            f"read bandwidth), {compute:.1f} tok/s batched (projections at the bf16 matmul peak, "
+            f"{peak / 1e9:.0f} GFLOP/s)"
+        )
         runs = {"single": (1, llama_single), "batched": (BATCH, llama_batched)}
         print(f"{'case':<10}{'hybridkv':>12}{'llama.cpp':>12}{'ratio':>9}{'hkv/bound':>11}{'llama/bound':>13}")
         for case in args.cases.split(","):
@@ -155,7 +179,8 @@ def main() -> None:
             for _ in range(args.repeats):
                 best_ours = max(best_ours, ours.decode_rate(batch))
                 best_theirs = max(best_theirs, theirs(bin_dir, model, args.threads))
-            share = f"{best_ours / bound:>10.0%} {best_theirs / bound:>12.0%}" if batch == 1 else ""
+            limit = bound if batch == 1 else compute
+            share = f"{best_ours / limit:>10.0%} {best_theirs / limit:>12.0%}"
             print(f"{case:<10}{best_ours:>12.2f}{best_theirs:>12.2f}{best_ours / best_theirs:>8.2f}x {share}")
 
 
