@@ -27,47 +27,15 @@ namespace {
 
 constexpr int64_t kBlockN = 64;  // outputs per weight block: 4 vectors of 16 float32 lanes
 
-// rows [m0, m0 + R) x one 64-output block -> acc [R][64] float32 (bias and rounding come after).
-// x holds bf16 pairs as uint32, ldx pairs per row, zero past K.
-template <int R>
-void block_rows(const __m512i* w, const uint32_t* x, int64_t ldx, int64_t pairs, int64_t block_pairs, float* acc_out) {
-  __m512 acc[R][4], total[R][4];
-  for (int64_t p0 = 0; p0 < pairs; p0 += block_pairs) {  // one K block: partial sums from zero, then total += them
-    const int64_t p1 = std::min(pairs, p0 + block_pairs);
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t p = p0; p < p1; ++p) {
-      const __m512i* wp = w + 4 * p;
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 1);
-      const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 2), w3 = (__m512bh)_mm512_loadu_si512(wp + 3);
-      for (int r = 0; r < R; ++r) {
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + p]));
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
-        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xb);
-        acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xb);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) total[r][j] = p0 == 0 ? acc[r][j] : _mm512_add_ps(total[r][j], acc[r][j]);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc_out + r * kBlockN + j * 16, total[r][j]);
-}
-
-using BlockFn = void (*)(const __m512i*, const uint32_t*, int64_t, int64_t, int64_t, float*);
-constexpr BlockFn kBlockFns[4] = {block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>};
-
-// rows [0, R) x one 64-output block over pairs [p0, p1), continuing the partial sums in `part` [R][64].
-template <int R>
-void chunk_rows(const __m512i* w, const uint32_t* x, int64_t ldx, int64_t p0, int64_t p1, float* part,
-                const __m512i* ahead, int per) {
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_loadu_ps(part + r * kBlockN + j * 16);
+// acc[r] += the pair products of row r over pairs [p0, p1) of one 64-output block, in k order (x holds bf16 pairs
+// as uint32, ldx pairs per row, zero past K); with kFetch, `per` lines from `ahead` on their way in per pair.
+template <int R, bool kFetch>
+inline __attribute__((always_inline)) void accumulate(__m512 (&acc)[R][4], const __m512i* w, const uint32_t* x,
+                                                       int64_t ldx, int64_t p0, int64_t p1, const __m512i* ahead,
+                                                       int per) {
   for (int64_t p = p0; p < p1; ++p) {
     const __m512i* wp = w + 4 * p;
-    if (ahead != nullptr) {
+    if constexpr (kFetch) {
       for (int j = 0; j < per; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + per * (p - p0) + j), _MM_HINT_T0);
     }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 1);
@@ -79,6 +47,40 @@ void chunk_rows(const __m512i* w, const uint32_t* x, int64_t ldx, int64_t p0, in
       acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xb);
       acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xb);
     }
+  }
+}
+
+// rows [0, R) x one 64-output block -> acc [R][64] float32 (bias and rounding come after): the sums stay in
+// registers over each K block.
+template <int R>
+void block_rows(const __m512i* w, const uint32_t* x, int64_t ldx, int64_t pairs, int64_t block_pairs, float* acc_out) {
+  __m512 acc[R][4], total[R][4];
+  for (int64_t p0 = 0; p0 < pairs; p0 += block_pairs) {  // one K block: partial sums from zero, then total += them
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    accumulate<R, false>(acc, w, x, ldx, p0, std::min(pairs, p0 + block_pairs), nullptr, 0);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) total[r][j] = p0 == 0 ? acc[r][j] : _mm512_add_ps(total[r][j], acc[r][j]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc_out + r * kBlockN + j * 16, total[r][j]);
+}
+
+using BlockFn = void (*)(const __m512i*, const uint32_t*, int64_t, int64_t, int64_t, float*);
+constexpr BlockFn kBlockFns[4] = {block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>};
+
+// rows [0, R) x one 64-output block over pairs [p0, p1), continuing the partial sums in `part` [R][64]; `ahead`
+// (null for none): lines to fetch, `per` a pair.
+template <int R>
+void chunk_rows(const __m512i* w, const uint32_t* x, int64_t ldx, int64_t p0, int64_t p1, float* part,
+                const __m512i* ahead, int per) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_loadu_ps(part + r * kBlockN + j * 16);
+  if (ahead != nullptr) {
+    accumulate<R, true>(acc, w, x, ldx, p0, p1, ahead, per);
+  } else {
+    accumulate<R, false>(acc, w, x, ldx, p0, p1, nullptr, 0);
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(part + r * kBlockN + j * 16, acc[r][j]);
