@@ -77,7 +77,9 @@ class GatedDeltaNet(nn.Module):
         self.in_proj = FusedLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
     def use_fused_ops(self, ops: object) -> None:
-        """The packed path: the elementwise work in `gdn_ops` (kept off without a compiled kernel)."""
+        """The packed path (bfloat16; `registry.load_model` calls this after packing): the elementwise work in
+        `gdn_ops` (kept off without a compiled kernel). Float32 never gets here: its exactness is this module's
+        own torch code."""
         self.ops = load_kernel(SOURCE)
         self._norm_weight = self.norm.weight.detach().float().contiguous()
 

@@ -194,23 +194,18 @@ torch::Tensor gated_rms_norm(const torch::Tensor& o, const torch::Tensor& z, con
   const float e = static_cast<float>(eps);
   at::parallel_for(0, n, 4, [&](int64_t r0, int64_t r1) {
     std::vector<float> row(dv), gate(hv * dv);
-    const bool bf16_z = z.scalar_type() == at::kBFloat16;
+    auto run = [&](const auto* op, auto* dst) {
+      if (z.scalar_type() == at::kBFloat16) {
+        const auto* zp = z.data_ptr<c10::BFloat16>();
+        gated_norm_rows(op, zp, z.stride(0), w, dst, hv, dv, e, r0, r1, row.data(), gate.data());
+      } else {
+        gated_norm_rows(op, z.data_ptr<float>(), z.stride(0), w, dst, hv, dv, e, r0, r1, row.data(), gate.data());
+      }
+    };
     if (o.scalar_type() == at::kBFloat16) {
-      const auto* op = o.data_ptr<c10::BFloat16>();
-      auto* dst = out.data_ptr<c10::BFloat16>();
-      if (bf16_z) {
-        gated_norm_rows(op, z.data_ptr<c10::BFloat16>(), z.stride(0), w, dst, hv, dv, e, r0, r1, row.data(), gate.data());
-      } else {
-        gated_norm_rows(op, z.data_ptr<float>(), z.stride(0), w, dst, hv, dv, e, r0, r1, row.data(), gate.data());
-      }
+      run(o.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
     } else {
-      const float* op = o.data_ptr<float>();
-      float* dst = out.data_ptr<float>();
-      if (bf16_z) {
-        gated_norm_rows(op, z.data_ptr<c10::BFloat16>(), z.stride(0), w, dst, hv, dv, e, r0, r1, row.data(), gate.data());
-      } else {
-        gated_norm_rows(op, z.data_ptr<float>(), z.stride(0), w, dst, hv, dv, e, r0, r1, row.data(), gate.data());
-      }
+      run(o.data_ptr<float>(), out.data_ptr<float>());
     }
   });
   return out;

@@ -36,7 +36,8 @@ inline __attribute__((always_inline)) void accumulate(__m512 (&acc)[R][4], const
   for (int64_t p = p0; p < p1; ++p) {
     const __m512i* wp = w + 4 * p;
     if constexpr (kFetch) {
-      for (int j = 0; j < per; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + per * (p - p0) + j), _MM_HINT_T0);
+      const auto* line = reinterpret_cast<const char*>(ahead + per * (p - p0));
+      for (int j = 0; j < per; ++j) _mm_prefetch(line + 64 * j, _MM_HINT_T0);
     }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 1);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 2), w3 = (__m512bh)_mm512_loadu_si512(wp + 3);

@@ -207,14 +207,15 @@ inline void prefetch_row(RowWalk& walk) {
 // Pass 1 reads each row where it lies in the pool, keeps it decayed in `state` (L2-sized) and folds it into pred;
 // pass 2 steps each row and writes it to the destination at once. Both passes prefetch half the next head's rows
 // (`next`, null for none): the pool's bytes stream in once and out once, and the arithmetic overlaps the memory
-// traffic. row_buf [dv * 5 bytes]: a float32 row, then int8 codes (a row that straddles a segment end is gathered
-// or scattered through it; float32 rows leave through it by non-temporal stores).
+// traffic. row_buf [dv * 5 bytes]: a float32 row, then int8 codes (int8 rows, and a row that straddles a segment
+// end, are gathered or scattered through it; every other row is read and written where it lies).
 template <Storage kind>
 void delta_head(const Blob& src, const Blob& dst, HeadAt head, int64_t dk, int64_t dv, const float* __restrict q,
                 const float* __restrict k, const float* __restrict v, float g, float bt, float* __restrict o,
                 uint8_t* __restrict row_buf, float* __restrict state, float* __restrict pred,
                 float* __restrict delta, const Blob* next, HeadAt next_head) {
-  using Item = std::conditional_t<kind == kFloat32, float, std::conditional_t<kind == kBFloat16, c10::BFloat16, int8_t>>;
+  using Item =
+      std::conditional_t<kind == kFloat32, float, std::conditional_t<kind == kBFloat16, c10::BFloat16, int8_t>>;
   const int64_t row_bytes = dv * static_cast<int64_t>(sizeof(Item)), at = head.at;
   const int64_t size = dk * row_bytes;
   RowWalk from{src, at, row_bytes, at + size}, to{dst, at, row_bytes, at + size};
