@@ -75,8 +75,8 @@ def readable_address(packed: torch.Tensor, n: int, k: int) -> int | None:
 
 def cancelling_probe(n: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A [n, k] weight whose rows sum to exactly zero (the second half holds the first half's values negated,
-    in another order, magnitudes over 2^+-12) and x [32, k]: random rows, rows of ones at 0, 1, 3, 7, 15 and 31
-    (the last of each probed row count). Against the ones, every output is the rounding residue of its summation
+    in another order, magnitudes over 2^+-12) and x [max(PROBE_ROWS), k]: random rows, ones at row 0 and at the
+    last row of each probed row count. Against the ones, every output is the rounding residue of its summation
     order, so an order that differs from oneDNN's shows in almost every output."""
     half = k // 2
     scale = torch.exp2(torch.randint(-12, 13, (n, half), generator=generator).float())  # sums that round in fp32
@@ -84,7 +84,7 @@ def cancelling_probe(n: int, k: int, generator: torch.Generator) -> tuple[torch.
     second = -first.gather(1, torch.rand(n, half, generator=generator).argsort(dim=1))
     tail = torch.zeros(n, k - 2 * half, dtype=torch.bfloat16)
     x = torch.randn(max(PROBE_ROWS), k, generator=generator)
-    x[[0, 1, 3, 7, 15, 31]] = 1.0
+    x[[0, *(rows - 1 for rows in PROBE_ROWS)]] = 1.0
     x = x.to(torch.bfloat16)
     return torch.cat([first, second, tail], dim=1), x
 
