@@ -26,7 +26,7 @@ inline float act_scalar(float g, int64_t act) {
 
 inline __m512 act16(__m512 g, int64_t act) {
   const __m512 one = _mm512_set1_ps(1.f);
-  if (act == kSilu) return _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  if (act == kSilu) return silu16(g);
   // 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)): no cancellation where tanh(u) nears -1
   const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
   const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));

@@ -27,13 +27,6 @@ constexpr float kL2Eps = 1e-6f;  // `gated_deltanet.l2norm`'s
 
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
-#if defined(__AVX512F__)
-inline __m512 silu16(__m512 x) {
-  const __m512 one = _mm512_set1_ps(1.f);
-  return _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-}
-#endif
-
 // silu of n values of T into float32 `out`.
 template <typename T>
 void silu_row(const T* x, float* out, int64_t n) {

@@ -1,5 +1,5 @@
 // AVX-512 helpers shared by the native kernels (models/kernels, runner/kernels): 16-lane float32 loads from
-// float32, bfloat16 and float16, stores to float32 and bfloat16 (round to nearest even), and e^x.
+// float32, bfloat16 and float16, stores to float32 and bfloat16 (round to nearest even), e^x and silu.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -38,5 +38,10 @@ inline __m512 exp16(__m512 x) {
   __m512 p = _mm512_set1_ps(1.f / 720.f);
   for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
+}
+
+// x / (1 + e^-x), with `exp16`.
+inline __m512 silu16(__m512 x) {
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
 #endif
