@@ -25,8 +25,13 @@ def serve(
         bool, typer.Option(help="serve GET /admin/kv (block usage, connector state, integrity check)")
     ] = False,
     max_request_bytes: Annotated[
-        int, typer.Option(min=1024, help="largest request body taken (413 beyond); default 16 MiB")
-    ] = 16 << 20,
+        int | None,
+        typer.Option(
+            min=1024,
+            help="largest request body taken (413 beyond); default: the largest legal one-prompt request for the "
+            "model and max_model_len (at least 1 MiB; the start-up log says how large)",
+        ),
+    ] = None,
     dtype: Annotated[str, typer.Option()] = "float32",
     kv_layout: Annotated[str, typer.Option(help=" | ".join(KV_LAYOUTS))] = "auto",
     kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget, e.g. 1GiB")] = "1GiB",
@@ -125,6 +130,9 @@ def serve(
         log.info("%s", line)
     async_engine = AsyncEngine(engine, name)
     app = build_app(async_engine, name, api_key, enable_admin, host, max_request_bytes, api_key_metrics)
+    limits = app.state.limits
+    log.info("requests: bodies up to %d bytes; prompt texts over %d characters are refused before tokenizing",
+             limits.max_request_bytes, limits.max_prompt_chars)  # fmt: skip
     try:
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         sock = server.config.bind_socket()  # exits with uvicorn's error when the address is taken

@@ -36,7 +36,7 @@ from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.request.state import Request, RequestStatus
 from hybridkv.runner.model_runner import ModelRunner
 from hybridkv.runner.sampler import sample, token_logprobs
-from hybridkv.structured.constraints import Constraints
+from hybridkv.structured.constraints import Compiled, Constraints
 from hybridkv.structured.spec import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -133,18 +133,30 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer: pass prompts as token id lists")
+            if len(prompt) > self.max_prompt_chars:
+                raise ValueError(
+                    f"the prompt has {len(prompt)} characters; max_model_len is {self.max_model_len} tokens, "
+                    f"which with this tokenizer (longest token: {self.tokenizer.max_token_chars} characters) hold "
+                    f"at most {self.max_prompt_chars}: shorten it"
+                )
             return self.tokenizer.encode(prompt)
         return list(prompt)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt text worth tokenizing: any longer one has more than max_model_len - 1 tokens, so it
+        is refused by its length alone (tokenizing 16 MiB of text took 42 s and 2 GiB)."""
+        return 0 if self.tokenizer is None else self.tokenizer.max_chars(self.max_model_len - 1)
 
     def check_prompt(self, prompt: str | list[int]) -> list[int]:
         """The prompt's token ids, when it is one this engine can serve (`request.prompt.check_prompt`); else a
         ValueError. Thread-safe: the server calls it before queueing."""
         return check_prompt(self.tokenize(prompt), self.max_model_len, self.vocab_size)
 
-    def compile_grammar(self, spec: StructuredOutputs) -> None:
+    def compile_grammar(self, spec: StructuredOutputs) -> Compiled:
         """Compile (and cache) a request's constraint: ValueError names what is wrong. Thread-safe: the server
         calls it before queueing, so the engine thread only copies the compiled grammar."""
-        self.constraints.compile(spec)
+        return self.constraints.compile(spec)
 
     def add_request(
         self,
@@ -153,15 +165,18 @@ class LLMEngine:
         request_id: str | None = None,
         kv_transfer_params: Any = None,
         cache_salt: str | None = None,
+        constraint: Compiled | None = None,
     ) -> Request:
-        """`kv_transfer_params`: what `accept_transfer_params` returned, or a raw dict it is applied to."""
+        """`kv_transfer_params`: what `accept_transfer_params` returned, or a raw dict it is applied to;
+        `constraint`: the request's structured-output constraint as `compile_grammar` returned it (else it is
+        compiled here, on the caller's thread)."""
         ids = self.check_prompt(prompt)
         if isinstance(kv_transfer_params, dict):
             (kv_transfer_params,) = self.accept_transfer_params(kv_transfer_params)
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, ids, params, self.plan.block_size, self.eos_token_ids, cache_salt, kv_transfer_params)
         if params.structured_outputs is not None:
-            req.grammar = self.constraints.matcher(params.structured_outputs)
+            req.grammar = self.constraints.matcher(params.structured_outputs, constraint)
         self.scheduler.add(req)
         self._texts[rid] = IncrementalDetokenizer(self.tokenizer, req, self.max_model_len)
         return req

@@ -14,6 +14,15 @@ class Tokenizer:
         if not path.is_file():
             raise ValueError(f"{model_dir} has no tokenizer.json: pass token ids, or add the tokenizer files")
         self._tok = _HFTokenizer.from_file(str(path))
+        # A token covers at most this many characters of text: its vocabulary string spells each byte (byte-level
+        # BPE) or character (SentencePiece) it covers. `max_chars` uses it to refuse a text by length before
+        # tokenizing it.
+        self.max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    def max_chars(self, num_tokens: int) -> int:
+        """The most characters a text of `num_tokens` tokens can have (a tokenizer whose normalizer deletes text
+        may fit more; such a text is refused, never tokenized)."""
+        return num_tokens * self.max_token_chars
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids

@@ -13,11 +13,11 @@ def check_prompt(token_ids: Sequence[int], max_model_len: int, vocab_size: int |
     ids = list(token_ids)
     if not ids:
         raise ValueError("the prompt is empty")
-    if vocab_size is not None and any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
     if len(ids) >= max_model_len:
         raise ValueError(
             f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len} "
             "(the prompt and at least one generated token must fit): shorten it or raise max_model_len"
         )
+    if vocab_size is not None and any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
     return ids

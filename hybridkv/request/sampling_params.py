@@ -8,6 +8,11 @@ from hybridkv.structured.spec import StructuredOutputs
 
 MAX_LOGPROBS = 20
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): dividing by them overflows
+# Per-request lists, bounded: every decode step checks each stop string against the text's tail (1M stop strings
+# in one request made every other stream ~10x slower for 35 s).
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 16 << 10  # all stop strings together
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -51,8 +56,16 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are taken")
+        if sum(map(len, self.stop)) > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings hold {sum(map(len, self.stop))} characters; at most {MAX_STOP_CHARS}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are taken"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

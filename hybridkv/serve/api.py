@@ -20,11 +20,14 @@ from fastapi.responses import JSONResponse
 from hybridkv.connectors.base import TransferRefused
 from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.serve.async_engine import AsyncEngine
-from hybridkv.serve.chat import render_chat
-from hybridkv.serve.guards import DEFAULT_MAX_REQUEST_BYTES, error_response, guard, require_json
+from hybridkv.serve.chat import chat_text
+from hybridkv.serve.compile_pool import CompileBusy
+from hybridkv.serve.guards import error_response, guard, require_json
 from hybridkv.serve.info_routes import add_info_routes, check_model
-from hybridkv.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
+from hybridkv.serve.limits import checked, request_limits
+from hybridkv.serve.protocol import APIError, ChatRequest, CompletionRequest
 from hybridkv.serve.responses import collect, completion_logprobs, meta, sse, until_disconnected, usage_of
+from hybridkv.structured.constraints import Compiled
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -35,14 +38,16 @@ def build_app(
     api_key: str | None = None,
     enable_admin: bool = False,
     bind_host: str | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_request_bytes: int | None = None,
     api_key_metrics: bool = False,
 ) -> FastAPI:
     """`bind_host`: the address the server listens on (a loopback one turns the Host check on);
+    `max_request_bytes`: None derives it from the model (serve/limits.py);
     `api_key_metrics`: /metrics needs the API key too (by default scrapers read it without one, as in vLLM)."""
     app = FastAPI(title="hybridkv")
-    guard(app, api_key, bind_host, max_request_bytes, api_key_metrics)
-    add_info_routes(app, engine, model_name, enable_admin)
+    limits = app.state.limits = request_limits(engine, max_request_bytes)
+    guard(app, api_key, bind_host, limits.max_request_bytes, api_key_metrics)
+    add_info_routes(app, engine, model_name, enable_admin, limits)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -68,16 +73,18 @@ def build_app(
             )
         return replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
-    async def compile_constraint(params: SamplingParams) -> None:
-        """A structured-output constraint compiles (off the event loop, cached) before anything is queued: a bad
+    async def compile_constraint(params: SamplingParams) -> Compiled | None:
+        """A structured-output constraint compiles (on the compile pool, cached) before anything is queued: a bad
         schema is this request's 400, never the engine thread's problem."""
         spec = params.structured_outputs
         if spec is None:
-            return
+            return None
         try:
-            await asyncio.to_thread(engine.compile_grammar, spec)
+            return await engine.compile_constraint(spec)
         except ValueError as e:
             raise APIError(400, str(e), param=spec.field.split(".")[0]) from e
+        except CompileBusy as e:
+            raise APIError(503, str(e), "server_error", param=spec.field.split(".")[0]) from e
 
     def token_text(token_id: int) -> str:
         tokenizer = engine.engine.tokenizer
@@ -93,20 +100,21 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await require_json(request))
+        req = await require_json(request, CompletionRequest)
         check_model(req.model, model_name)
         if req.echo:
             raise APIError(400, "echo=true is not supported: the response holds the completion only", param="echo")
         prompts = req.prompts()
         if req.stream and len(prompts) > 1:
             raise APIError(400, "streaming takes one prompt", param="prompt")
+        checked(limits.check_batch, len(prompts))
         ids = [await prompt_ids(p) for p in prompts]
         base, asked = req.sampling_params(DEFAULT_MAX_TOKENS), req.max_tokens is not None
-        await compile_constraint(base)
+        constraint = await compile_constraint(base)
         params = [within_context(base, len(p), asked) for p in ids]
         kv = transfer_params(req.kv_transfer_params, len(ids))
         head = meta("cmpl", "text_completion", model_name)
-        runs = [engine.generate(*run, req.cache_salt) for run in zip(ids, params, kv)]
+        runs = [engine.generate(*run, req.cache_salt, constraint) for run in zip(ids, params, kv)]
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return sse(runs[0], head, chat=False, usage=usage, token_text=token_text)
@@ -125,16 +133,15 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req = parse(ChatRequest, await require_json(request))
+        req = await require_json(request, ChatRequest)
         check_model(req.model, model_name)
-        rendered = render_chat(engine.engine.config.model, [m.model_dump() for m in req.messages])
-        ids = await prompt_ids(rendered)
+        ids = await prompt_ids(await chat_text(engine, limits, req.messages))
         asked = req.max_tokens is not None or req.max_completion_tokens is not None
         params = within_context(req.sampling_params(DEFAULT_MAX_TOKENS), len(ids), asked)
-        await compile_constraint(params)
+        constraint = await compile_constraint(params)
         (kv,) = transfer_params(req.kv_transfer_params, 1)
         head = meta("chatcmpl", "chat.completion", model_name)
-        run = engine.generate(ids, params, kv, req.cache_salt)
+        run = engine.generate(ids, params, kv, req.cache_salt, constraint)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return sse(run, head | {"object": "chat.completion.chunk"}, chat=True, usage=usage)

@@ -21,7 +21,9 @@ from hybridkv.engine.engine import LLMEngine
 from hybridkv.request.outputs import TokenLogprob
 from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.request.state import Request
+from hybridkv.serve.compile_pool import CompilePool
 from hybridkv.serve.metrics import EngineMetrics
+from hybridkv.structured.constraints import Compiled
 from hybridkv.structured.spec import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ class _Add:
     params: SamplingParams
     kv_transfer_params: Any
     cache_salt: str | None
+    constraint: Compiled | None  # compiled before queueing: the engine thread only copies it
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class AsyncEngine:
         self.metrics = EngineMetrics(model_name or Path(engine.config.model).name, engine.max_model_len)
         self._stats, self._stats_time = engine.stats(), time.monotonic()
         engine.set_waker(self._wake.set)
+        self.compiles = CompilePool(engine.constraints)
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._thread.start()
 
@@ -105,6 +109,7 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.compiles.shutdown()
         self.engine.shutdown()
 
     @property
@@ -115,9 +120,10 @@ class AsyncEngine:
         """Tokenize and validate on the caller's side, so bad requests fail before they reach the engine."""
         return self.engine.check_prompt(prompt)
 
-    def compile_grammar(self, spec: StructuredOutputs) -> None:
-        """Compile a structured-output constraint before queueing (ValueError: what is wrong with it)."""
-        self.engine.compile_grammar(spec)
+    async def compile_constraint(self, spec: StructuredOutputs) -> Compiled:
+        """Compile a structured-output constraint before queueing, on the compile pool (ValueError: what is wrong
+        with it; CompileBusy: too many compiling)."""
+        return await self.compiles.compile(spec)
 
     def accept_transfer_params(self, raw: Any, num_prompts: int = 1) -> list[Any]:
         """Parse and verify client kv_transfer_params before queueing (see LLMEngine.accept_transfer_params)."""
@@ -140,13 +146,15 @@ class AsyncEngine:
         params: SamplingParams,
         kv_transfer_params: Any = None,
         cache_salt: str | None = None,
+        constraint: Compiled | None = None,
     ) -> AsyncIterator[Update]:
         """Stream a request's updates. Leaving the loop early (a client that went away) aborts it.
-        `kv_transfer_params`: what `accept_transfer_params` returned for this prompt."""
+        `kv_transfer_params`: what `accept_transfer_params` returned for this prompt; `constraint`: what
+        `compile_constraint` returned for its structured output."""
         request_id = f"cmpl-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._post(_Add(request_id, prompt_ids, params, kv_transfer_params, cache_salt))
+        self._post(_Add(request_id, prompt_ids, params, kv_transfer_params, cache_salt, constraint))
         finished = False
         try:
             while not finished:
@@ -211,7 +219,7 @@ class AsyncEngine:
                 try:
                     self._streams[command.request_id].request = self.engine.add_request(
                         command.prompt_ids, command.params, command.request_id, command.kv_transfer_params,
-                        command.cache_salt,
+                        command.cache_salt, command.constraint,
                     )  # fmt: skip
                 except ValueError as e:
                     self._send(command.request_id, e)

@@ -3,11 +3,17 @@ or tokenizer_config.json's `chat_template`), else a plain one."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hybridkv.serve.protocol import APIError
+from hybridkv.serve.limits import RequestLimits, checked
+from hybridkv.serve.protocol import APIError, ChatMessage
+
+if TYPE_CHECKING:
+    from hybridkv.serve.async_engine import AsyncEngine
 
 
 @cache
@@ -32,3 +38,11 @@ def render_chat(model_dir: str, messages: list[dict[str, str]]) -> str:
         raise APIError(500, "this model has a chat template but jinja2 is not installed", "server_error") from e
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     return env.from_string(template).render(messages=messages, add_generation_prompt=True, **specials)
+
+
+async def chat_text(engine: AsyncEngine, limits: RequestLimits, messages: list[ChatMessage]) -> str:
+    """The chat rendered through the model's template, off the event loop; a chat whose messages alone are
+    longer than any prompt that fits is refused before it renders."""
+    dumped = [m.model_dump() for m in messages]
+    checked(limits.check_chat, [m["content"] for m in dumped], param="messages")
+    return await asyncio.to_thread(render_chat, engine.engine.config.model, dumped)

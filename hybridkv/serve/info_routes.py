@@ -12,9 +12,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, StrictInt
 
 from hybridkv.serve.async_engine import AsyncEngine
-from hybridkv.serve.chat import render_chat
+from hybridkv.serve.chat import chat_text
 from hybridkv.serve.guards import require_json
-from hybridkv.serve.protocol import STRICT, APIError, ChatMessage, parse
+from hybridkv.serve.limits import RequestLimits
+from hybridkv.serve.protocol import STRICT, APIError, ChatMessage
 from hybridkv.version import __version__
 
 
@@ -37,7 +38,9 @@ def check_model(name: str | None, model_name: str) -> None:
         raise APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}", "not_found_error")
 
 
-def add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, enable_admin: bool) -> None:
+def add_info_routes(
+    app: FastAPI, engine: AsyncEngine, model_name: str, enable_admin: bool, limits: RequestLimits
+) -> None:
     card = {"id": model_name, "object": "model", "owned_by": "hybridkv", "max_model_len": engine.max_model_len}
 
     @app.get("/health")
@@ -63,13 +66,11 @@ def add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, enable_a
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        req = parse(TokenizeRequest, await require_json(request))
+        req = await require_json(request, TokenizeRequest)
         check_model(req.model, model_name)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
-        text = req.prompt
-        if req.messages is not None:
-            text = render_chat(engine.engine.config.model, [m.model_dump() for m in req.messages])
+        text = req.prompt if req.messages is None else await chat_text(engine, limits, req.messages)
         try:
             ids = await asyncio.to_thread(engine.engine.tokenize, text)
         except ValueError as e:
@@ -78,7 +79,7 @@ def add_info_routes(app: FastAPI, engine: AsyncEngine, model_name: str, enable_a
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        req = parse(DetokenizeRequest, await require_json(request))
+        req = await require_json(request, DetokenizeRequest)
         check_model(req.model, model_name)
         tokenizer = engine.engine.tokenizer
         if tokenizer is None:

@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from hybridkv.structured.config import StructuredOutputsConfig
 from hybridkv.structured.grammar import GrammarCompiler, GrammarMatcher
 from hybridkv.structured.spec import StructuredOutputs
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A compiled constraint (an llguidance matcher never advanced): what a request carries to the engine thread,
+    which copies it and compiles nothing."""
+
+    template: Any
 
 
 class Constraints:
@@ -33,13 +42,26 @@ class Constraints:
                 self._compiler = GrammarCompiler(self._model_dir, self._vocab_size, self._eos)
             return self._compiler
 
-    def compile(self, spec: StructuredOutputs) -> None:
-        """Compile (and cache) a request's constraint; ValueError names what is wrong with it."""
-        self.compiler.compile(self.resolved(spec))
+    def compile(self, spec: StructuredOutputs) -> Compiled:
+        """Compile (and cache) a request's constraint; ValueError names what is wrong with it (also on a repeat of
+        a spec that failed before)."""
+        return Compiled(self.compiler.compile(self.resolved(spec)))
 
-    def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
-        """A fresh matcher for one request (cheap once its constraint is compiled)."""
-        return self.compiler.matcher(self.resolved(spec))
+    def cached(self, spec: StructuredOutputs) -> Compiled | None:
+        """The compiled constraint when the cache holds it (None: not compiled yet); ValueError if it failed."""
+        if self._compiler is None:  # made by the first compile, on a compile thread (it loads the tokenizer)
+            return None
+        template = self.compiler.cached(self.resolved(spec))
+        return None if template is None else Compiled(template)
+
+    def refuse(self, spec: StructuredOutputs, why: str) -> ValueError:
+        """Remember that `spec` failed (a compile past its time budget): a repeat is refused at once."""
+        return self.compiler.refuse(self.resolved(spec), why)
+
+    def matcher(self, spec: StructuredOutputs, compiled: Compiled | None = None) -> GrammarMatcher:
+        """A fresh matcher for one request: a copy of `compiled`, else of the spec compiled now (offline use,
+        where the caller's thread is the engine's)."""
+        return self.compiler.copy((compiled or self.compile(spec)).template)
 
     def resolved(self, spec: StructuredOutputs) -> StructuredOutputs:
         """The spec with the server-wide defaults filled in (what the compiled-grammar cache is keyed by)."""

@@ -2,8 +2,10 @@
 request's position in its constraint: whether it allows one token, the mask of all it allows next, advanced by each
 sampled token.
 
-llguidance runs on the CPU, one matcher per request, on the engine thread. Only constrained rows ask, and they ask
-`allows` about a token or a few (the greedy best, a draw) before they build a mask (runner/sampler.py): after the
+Compiling happens before a request is queued (the server's compile pool, serve/compile_pool.py); the engine thread
+only copies a compiled template, which travels with the request, so an evicted cache entry is never compiled
+there. llguidance runs on the CPU, one matcher per request, on the engine thread. Only constrained rows ask, and they
+ask `allows` about a token or a few (the greedy best, a draw) before they build a mask (runner/sampler.py): after the
 model's forward the caches are cold and a mask costs ~150 us on the tiny benchmark model, a check ~20 us.
 benchmarks/bench_grammar.py measured llguidance against xgrammar: a few microseconds per token either way, warm;
 llguidance has no dependencies and reads tokenizer.json.
@@ -19,6 +21,7 @@ from pathlib import Path
 import llguidance
 import torch
 
+from hybridkv.structured.limits import FAILED_CACHE_SIZE, parser_limits
 from hybridkv.structured.spec import StructuredOutputs
 
 CACHE_SIZE = 256  # compiled constraints kept, least recently used first out
@@ -74,32 +77,58 @@ class GrammarCompiler:
         self.vocab_size, self._eos = vocab_size, frozenset(eos_token_ids)
         self._tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._cache: OrderedDict[StructuredOutputs, llguidance.LLMatcher] = OrderedDict()
+        self._failed: OrderedDict[StructuredOutputs, str] = OrderedDict()  # spec -> why it failed
         self._lock = threading.Lock()
 
-    def compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
-        """The compiled constraint (a matcher never advanced: a template to copy). ValueError says what is wrong
-        with the spec."""
+    def cached(self, spec: StructuredOutputs) -> llguidance.LLMatcher | None:
+        """The compiled constraint if it is cached, None if it was never compiled; ValueError if it failed before
+        (a repeat costs nothing)."""
         with self._lock:
             template = self._cache.get(spec)
             if template is not None:
                 self._cache.move_to_end(spec)
                 return template
+            why = self._failed.get(spec)
+        if why is not None:
+            raise ValueError(why)
+        return None
+
+    def compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
+        """The compiled constraint (a matcher never advanced: a template to copy). ValueError says what is wrong
+        with the spec, now and on every repeat."""
+        template = self.cached(spec)
+        if template is not None:
+            return template
         try:
             grammar = spec.grammar()
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{spec.field}: {e}") from e
-        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)  # slow ones release the GIL
+            raise self.refuse(spec, f"{spec.field}: {e}") from e
+        # llguidance releases the GIL while it compiles; its limits make a huge grammar fail instead of running on.
+        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=parser_limits())
         if template.is_error():
-            raise ValueError(f"{spec.field}: {template.get_error().splitlines()[0]}")
+            raise self.refuse(spec, f"{spec.field}: {template.get_error().splitlines()[0][:500]}")
         with self._lock:
             self._cache[spec] = template
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return template
 
+    def refuse(self, spec: StructuredOutputs, why: str) -> ValueError:
+        """Remember that `spec` fails (least recently failed first out) and return the error to raise."""
+        with self._lock:
+            self._failed[spec] = why
+            self._failed.move_to_end(spec)
+            while len(self._failed) > FAILED_CACHE_SIZE:
+                self._failed.popitem(last=False)
+        return ValueError(why)
+
     def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
-        """A fresh matcher for one request (a copy of the cached template: cheap once compiled)."""
-        return GrammarMatcher(self.compile(spec).deep_copy(), self.vocab_size, self._eos)
+        """A fresh matcher for one request (compiled now unless cached)."""
+        return self.copy(self.compile(spec))
+
+    def copy(self, template: llguidance.LLMatcher) -> GrammarMatcher:
+        """A fresh matcher for one request: a copy of a compiled template (cheap)."""
+        return GrammarMatcher(template.deep_copy(), self.vocab_size, self._eos)
 
 
 _BITS = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)  # bit i of an int32 word

@@ -10,14 +10,20 @@ from typing import Any
 
 import llguidance
 
+from hybridkv.structured.limits import MAX_CHOICES, MAX_SCHEMA_DEPTH, MAX_SPEC_BYTES, json_depth
+
 
 def _json_text(value: Any, what: str) -> str:
     """Canonical JSON text (sorted keys, compact): equal schemas share one compiled grammar."""
     if isinstance(value, str):
+        if len(value) > MAX_SPEC_BYTES:
+            raise ValueError(f"has {len(value)} characters; at most {MAX_SPEC_BYTES} are taken")
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{what} is not valid JSON: {e}") from e
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"{what} is not valid JSON: {str(e)[:200]}") from e
+    if json_depth(value) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
@@ -54,6 +60,8 @@ def _check_choice(text: str) -> None:
     choices = json.loads(text)
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise ValueError("choice must be a non-empty list of non-empty strings")
+    if len(choices) > MAX_CHOICES:
+        raise ValueError(f"has {len(choices)} choices; at most {MAX_CHOICES} are taken")
 
 
 def _check_text(text: str) -> None:
@@ -100,6 +108,9 @@ class StructuredOutputs:
             text = kind.normalize(self.spec, self.field)
             if not isinstance(text, str):
                 raise ValueError(f"must be a string, got {type(text).__name__}")
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > MAX_SPEC_BYTES:
+                raise ValueError(f"is {size} bytes long; at most {MAX_SPEC_BYTES} are taken")
             kind.check(text)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{self.field}: {e}") from e

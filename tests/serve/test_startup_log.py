@@ -143,6 +143,7 @@ def test_a_server_logs_each_line_before_it_is_healthy(tiny_gemma4):
         "KV plan: 2 groups (",
         "KV layout: ",
         "connectors: OffloadingConnector (kv_both)",
+        "requests: bodies up to 1048576 bytes; prompt texts over 1275 characters are refused before tokenizing",
         f"listening on http://127.0.0.1:{server.port}",
     ]
     assert len(ours) == len(expected), log
