@@ -22,7 +22,7 @@ from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.serve.async_engine import AsyncEngine
 from hybridkv.serve.chat import chat_text
 from hybridkv.serve.compile_pool import CompileBusy
-from hybridkv.serve.guards import error_response, guard, require_json
+from hybridkv.serve.guards import error_response, guard, off_loop, require_json
 from hybridkv.serve.info_routes import add_info_routes, check_model
 from hybridkv.serve.limits import checked, request_limits
 from hybridkv.serve.protocol import APIError, ChatRequest, CompletionRequest
@@ -73,6 +73,11 @@ def build_app(
             )
         return replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
+    async def sampling_params(request: Request, req: CompletionRequest | ChatRequest) -> SamplingParams:
+        """Off the event loop: a structured-output spec is normalized and checked here (a 60k-choice list costs
+        tens of milliseconds)."""
+        return await off_loop(request, req.sampling_params, DEFAULT_MAX_TOKENS)
+
     async def compile_constraint(params: SamplingParams) -> Compiled | None:
         """A structured-output constraint compiles (on the compile pool, cached) before anything is queued: a bad
         schema is this request's 400, never the engine thread's problem."""
@@ -109,7 +114,7 @@ def build_app(
             raise APIError(400, "streaming takes one prompt", param="prompt")
         checked(limits.check_batch, len(prompts))
         ids = [await prompt_ids(p) for p in prompts]
-        base, asked = req.sampling_params(DEFAULT_MAX_TOKENS), req.max_tokens is not None
+        base, asked = await sampling_params(request, req), req.max_tokens is not None
         constraint = await compile_constraint(base)
         params = [within_context(base, len(p), asked) for p in ids]
         kv = transfer_params(req.kv_transfer_params, len(ids))
@@ -137,7 +142,7 @@ def build_app(
         check_model(req.model, model_name)
         ids = await prompt_ids(await chat_text(engine, limits, req.messages))
         asked = req.max_tokens is not None or req.max_completion_tokens is not None
-        params = within_context(req.sampling_params(DEFAULT_MAX_TOKENS), len(ids), asked)
+        params = within_context(await sampling_params(request, req), len(ids), asked)
         constraint = await compile_constraint(params)
         (kv,) = transfer_params(req.kv_transfer_params, 1)
         head = meta("chatcmpl", "chat.completion", model_name)

@@ -18,6 +18,7 @@ stays counted as pending until then, so timed-out compiles cannot pile up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,6 +44,13 @@ class CompilePool:
         self._constraints, self._max_pending, self._timeout_s = constraints, max_pending, timeout_s
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
         self.pending = 0  # submitted and not finished (event loop only)
+        # The compiler loads the tokenizer into llguidance (holding the GIL: ~0.2 s stalled /health when the first
+        # constrained request paid for it): done now, in the background.
+        self._executor.submit(self._warm)
+
+    def _warm(self) -> None:
+        with contextlib.suppress(ValueError):  # no tokenizer or no EOS: each constrained request is told so
+            _ = self._constraints.compiler
 
     async def compile(self, spec: StructuredOutputs) -> Compiled:
         """The compiled constraint. ValueError: what is wrong with it (also at once for a spec that failed

@@ -108,10 +108,10 @@ class StructuredOutputs:
             text = kind.normalize(self.spec, self.field)
             if not isinstance(text, str):
                 raise ValueError(f"must be a string, got {type(text).__name__}")
+            kind.check(text)  # first: "60000 choices; at most 1024" says more than the bytes would
             size = len(text.encode("utf-8", "surrogatepass"))
             if size > MAX_SPEC_BYTES:
                 raise ValueError(f"is {size} bytes long; at most {MAX_SPEC_BYTES} are taken")
-            kind.check(text)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{self.field}: {e}") from e
         object.__setattr__(self, "spec", text)
