@@ -26,7 +26,8 @@ from hybridkv.engine.tokenizer import Tokenizer, eos_token_ids
 from hybridkv.engine.turn_end import turn_end_request
 from hybridkv.events.publisher import ZmqEventPublisher
 from hybridkv.kv.coordinator import KVCacheCoordinator
-from hybridkv.kv.events import MEDIUM_GPU, KVEventLog
+from hybridkv.kv.events import MEDIUM_GPU, KVEventLog, public
+from hybridkv.kv.hashing import is_private
 from hybridkv.kv.layout import cross_layers_enabled
 from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
 from hybridkv.kv.planner import CacheConfig, plan_kv_cache
@@ -237,7 +238,8 @@ class LLMEngine:
         tiers = {MEDIUM_GPU: self.kv.pool.cached_hashes()}
         if self.connector is not None:
             tiers |= self.connector.kv_event_tiers()
-        return self.kv_publisher.state(tiers)
+        shared = {m: {g: [h for h in hs if not is_private(h)] for g, hs in gs.items()} for m, gs in tiers.items()}
+        return self.kv_publisher.state(shared)
 
     def stats(self, check_integrity: bool = False) -> EngineStats:
         """The one snapshot of counters and gauges (/metrics, /admin/kv); with `check_integrity`, also the KV
@@ -272,7 +274,7 @@ class LLMEngine:
 
     def _publish_kv_events(self) -> None:
         assert self.kv_events is not None and self.kv_publisher is not None
-        events = self.kv_events.drain()
+        events = public(self.kv_events.drain())
         if events:
             self.kv_publisher.publish(events)
 

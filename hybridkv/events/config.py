@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -21,12 +22,44 @@ def _endpoint_error(key: str, value: str) -> str | None:
     return None
 
 
+def tcp_host(endpoint: str) -> str | None:
+    """ "tcp://HOST:PORT" -> HOST (brackets stripped); None for ipc:// and inproc://."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    return endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name or an interface: it may leave this host
+
+
+def _local(endpoint: str) -> str:
+    """A wildcard endpoint narrowed to loopback: tcp://*:P -> tcp://127.0.0.1:P, tcp://[::]:P -> tcp://[::1]:P."""
+    host = tcp_host(endpoint)
+    port = endpoint.rpartition(":")[2]
+    if host in ("*", "0.0.0.0"):
+        return f"tcp://127.0.0.1:{port}"
+    if host == "::":
+        return f"tcp://[::1]:{port}"
+    return endpoint
+
+
 @dataclass(frozen=True)
 class KVEventsConfig:
-    """Field for field vLLM's KVEventsConfig. `publisher` None means "zmq" when events are enabled, else "null".
+    """Field for field vLLM's KVEventsConfig, plus `allow_remote` (ours). `publisher` None means "zmq" when events
+    are enabled, else "null".
 
     `endpoint` binds when it is a wildcard (`*`), an IPv6 address (`::`), `ipc://` or `inproc://`, and connects
-    otherwise (vLLM's rule: bind the stable side, connect the volatile one). `replay_endpoint` always binds."""
+    otherwise (vLLM's rule: bind the stable side, connect the volatile one). `replay_endpoint` always binds.
+
+    The stream carries every unsalted prompt's token ids, so it stays on this host unless `allow_remote`: a
+    wildcard binds loopback only (`bind_endpoint`), and a TCP endpoint naming another host is a start-up error.
+    With `allow_remote` a wildcard binds every interface, as in vLLM, and start-up warns what that exposes."""
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None
@@ -36,6 +69,7 @@ class KVEventsConfig:
     hwm: int = 100_000  # the PUB socket's send high-water mark (messages queued per subscriber)
     max_queue_size: int = 100_000  # batches waiting for the publisher thread; beyond it a batch is dropped
     topic: str = ""
+    allow_remote: bool = False  # ours: let the stream leave this host (bind every interface, or connect out)
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_kv_cache_events, bool):
@@ -59,6 +93,15 @@ class KVEventsConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"kv_events_config.{key} must be a positive integer, got {value!r}")
+        if not isinstance(self.allow_remote, bool):
+            raise ValueError(f"kv_events_config.allow_remote must be true or false, got {self.allow_remote!r}")
+        for key in ("endpoint", "replay_endpoint"):
+            host = tcp_host(getattr(self, key) or "")
+            if host not in (None, "*", "0.0.0.0", "::") and not is_loopback(host) and not self.allow_remote:
+                raise ValueError(
+                    f"kv_events_config.{key} {getattr(self, key)} leaves this host, and the stream carries every "
+                    'unsalted prompt\'s token ids: add "allow_remote": true to publish them there'
+                )
         if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint:
             raise ValueError("kv_events_config.replay_endpoint must differ from endpoint (two sockets, two addresses)")
 
@@ -72,6 +115,16 @@ class KVEventsConfig:
         """Whether the PUB socket binds `endpoint` (else it connects to it)."""
         e = self.endpoint
         return "*" in e or "::" in e or e.startswith(("ipc://", "inproc://"))
+
+    def bind_endpoint(self, endpoint: str) -> str:
+        """Where a binding socket listens: a wildcard narrowed to loopback unless `allow_remote`."""
+        return endpoint if self.allow_remote else _local(endpoint)
+
+    @property
+    def exposed(self) -> bool:
+        """Whether a socket listens beyond loopback or sends to another host (what start-up warns about)."""
+        ends = [self.endpoint] + ([self.replay_endpoint] if self.replay_endpoint else [])
+        return any((h := tcp_host(self.bind_endpoint(e))) is not None and not is_loopback(h) for e in ends)
 
     @staticmethod
     def parse(value: str | dict[str, Any]) -> KVEventsConfig:

@@ -64,7 +64,7 @@ class ZmqEventPublisher:
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
             if config.binds:
-                self._pub.bind(config.endpoint)
+                self._pub.bind(config.bind_endpoint(config.endpoint))
             else:
                 self._pub.connect(config.endpoint)
             if config.replay_endpoint is not None:
@@ -73,7 +73,7 @@ class ZmqEventPublisher:
                 self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_FRAME)
                 self._replay.setsockopt(zmq.RCVHWM, 64)
                 self._replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 1)  # a whole replay fits one client's pipe
-                self._replay.bind(config.replay_endpoint)
+                self._replay.bind(config.bind_endpoint(config.replay_endpoint))
         except zmq.ZMQError as e:
             self._ctx.destroy(linger=0)
             raise ValueError(
@@ -82,12 +82,18 @@ class ZmqEventPublisher:
             ) from e
         self._thread = threading.Thread(target=self._run, name="hybridkv-kv-events", daemon=True)
         self._thread.start()
-        logger.info(
-            "KV events: publishing on %s (%s)%s, topic %r",
-            config.endpoint,
+        replay = config.replay_endpoint
+        logger.log(
+            logging.WARNING if config.exposed else logging.INFO,
+            "KV events: publishing on %s (%s)%s, topic %r%s",
+            config.bind_endpoint(config.endpoint) if config.binds else config.endpoint,
             "bound" if config.binds else "connected",
-            f", replay on {config.replay_endpoint}" if config.replay_endpoint else "",
+            f", replay on {config.bind_endpoint(replay)}" if replay else "",
             config.topic,
+            "; allow_remote: every host that reaches these ports reads the token ids of every unsalted prompt "
+            "(salted requests are never published)"
+            if config.exposed
+            else " (this host only; salted requests are never published)",
         )
 
     @property

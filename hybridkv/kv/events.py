@@ -22,7 +22,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hybridkv.kv.hashing import BlockHash
+from hybridkv.kv.hashing import BlockHash, is_private
 
 # Tier names, as vLLM spells its `medium` field: the device's prefix cache is "GPU" whatever the device (vLLM's
 # block pool reports "GPU" on every platform), CPU memory offload "CPU", disk-backed offload "STORAGE".
@@ -60,6 +60,12 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def public(events: Sequence[KVEvent]) -> list[KVEvent]:
+    """The records a subscriber may see: none about a salted prefix's blocks (`cache_salt` promises that no other
+    tenant learns its prompts; a record's hashes are one request's, so all or none of them are private)."""
+    return [e for e in events if isinstance(e, AllBlocksCleared) or not is_private(e.block_hashes[0])]
 
 
 class KVEventLog:

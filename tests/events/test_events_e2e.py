@@ -123,8 +123,9 @@ def check_chains(stored: list[dict]) -> None:
             full[h] = parent
 
 
-def complete(p: Process, prompts: list[list[int]]) -> None:
+def complete(p: Process, prompts: list[list[int]], salt: str | None = None) -> None:
     body = {"prompt": prompts, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    body |= {"cache_salt": salt} if salt else {}
     r = httpx.post(f"{p.url}/v1/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
 
@@ -152,6 +153,10 @@ def test_subscribers_rebuild_exactly_the_cached_blocks_the_engine_reports(ctx):
         # Round 1: prompts sharing a 100-token prefix, one after another so the later ones hit the cache.
         for n in (40, 70, 25):
             complete(p, [shared + [rng.randrange(4, 400) for _ in range(n)]])
+        # A salted tenant's prompt, twice (the second a prefix hit): never published, in any record.
+        secret = [rng.randrange(4, 400) for _ in range(64)]
+        complete(p, [secret], salt="tenant-b")
+        complete(p, [secret + [5, 6]], salt="tenant-b")
         first_seq, _ = reported(p)
         assert first_seq >= 3  # a batch per step that changed the cache, sent as the step ended
         late = Subscriber(ctx, pub, replay)
@@ -169,6 +174,7 @@ def test_subscribers_rebuild_exactly_the_cached_blocks_the_engine_reports(ctx):
         for sub in (early, late):
             assert sub.cached() == engine_cached
             check_chains(sub.events("BlockStored"))
+            assert not any(e["token_ids"][:16] == secret[:16] for e in sub.events("BlockStored")), "salted published"
         assert set(engine_cached) == {("GPU", 0), ("GPU", 1)}
         removed = early.events("BlockRemoved")
         assert sum(len(e["block_hashes"]) for e in removed) > 50, "the run evicted nothing: make it bigger"

@@ -213,7 +213,8 @@ def test_config_defaults_are_vllms():
     assert cfg.enabled and cfg.binds
     assert not KVEventsConfig.parse("{}").enabled and KVEventsConfig.parse("{}").publisher == "null"
     assert not KVEventsConfig(enable_kv_cache_events=True, publisher="null").enabled
-    assert not KVEventsConfig(endpoint="tcp://router.local:5557").binds  # vLLM's rule: a host name connects
+    remote = KVEventsConfig(endpoint="tcp://router.local:5557", allow_remote=True)
+    assert not remote.binds and remote.exposed  # vLLM's rule: a host name connects
     assert KVEventsConfig(endpoint="ipc:///tmp/kv").binds
 
 
@@ -233,11 +234,32 @@ def test_config_defaults_are_vllms():
         ('{"hwm": true}', "hwm must be a positive integer"),
         ('{"max_queue_size": -1}', "max_queue_size must be a positive integer"),
         ('{"replay_endpoint": "tcp://*:5557"}', "must differ from endpoint"),
+        ('{"endpoint": "tcp://router.local:5557"}', "leaves this host.*allow_remote"),
+        ('{"replay_endpoint": "tcp://10.0.0.5:5558"}', "leaves this host.*allow_remote"),
+        ('{"allow_remote": 1}', "allow_remote must be true or false"),
     ],
 )
 def test_bad_configs_say_what_to_change(raw, message):
     with pytest.raises(ValueError, match=message):
         KVEventsConfig.parse(raw)
+
+
+def test_a_wildcard_binds_loopback_unless_remote_subscribers_are_allowed():
+    """The stream carries prompts' token ids: vLLM's default endpoint (tcp://*:5557) listens on loopback only
+    here; `allow_remote` binds every interface, and only then is the config `exposed` (start-up warns)."""
+    for allow, address in ((False, "127.0.0.1"), (True, "0.0.0.0")):
+        port, replay = free_port(), free_port()
+        cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}",
+                             replay_endpoint=f"tcp://*:{replay}", allow_remote=allow)  # fmt: skip
+        pub = ZmqEventPublisher(cfg, GROUPS)
+        try:
+            assert pub._pub.getsockopt(zmq.LAST_ENDPOINT).decode() == f"tcp://{address}:{port}"
+            assert pub._replay.getsockopt(zmq.LAST_ENDPOINT).decode() == f"tcp://{address}:{replay}"
+            assert cfg.exposed is allow
+        finally:
+            pub.shutdown()
+    assert not KVEventsConfig(endpoint="tcp://127.0.0.1:5557").exposed
+    assert KVEventsConfig(endpoint="tcp://[::]:5557").bind_endpoint("tcp://[::]:5557") == "tcp://[::1]:5557"
 
 
 def test_a_port_in_use_is_a_value_error():

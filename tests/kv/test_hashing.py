@@ -2,7 +2,7 @@ import os
 import subprocess
 import sys
 
-from hybridkv.kv.hashing import ROOT_HASH, hash_block, hash_blocks
+from hybridkv.kv.hashing import ROOT_HASH, hash_block, hash_blocks, is_private
 
 SCRIPT = (
     "from hybridkv.kv.hashing import hash_blocks; "
@@ -39,8 +39,21 @@ def test_cache_salt_separates_whole_prefixes():
     assert hash_blocks([5] * 32, 16, cache_salt="tenant-a") == salted
 
 
+def test_a_salted_prefix_is_private_down_its_whole_chain_and_only_it():
+    """Bit 0 of the first byte marks a salted prefix's blocks (KV events never publish them), inherited by every
+    later block, also when hashing resumes from a parent; an unsalted chain is never marked."""
+    salted = hash_blocks(list(range(64)), 16, cache_salt="tenant-a")
+    assert all(is_private(h) for h in salted)
+    resumed = hash_blocks(list(range(80)), 16, parent=salted[-1], start_block=4)
+    assert len(resumed) == 1 and is_private(resumed[0])
+    plain = [h for n in range(1, 200) for h in hash_blocks([n] * 32, 16)]
+    assert not any(is_private(h) for h in plain)  # 398 hashes: a random bit would have been set ~199 times
+
+
 def test_encoding_is_pinned():
     # Peers (PD, disk tier) compare hashes made by other processes and versions: the encoding must not drift.
     pinned = "3c1f09bd58aab8343132d05828aad06208114aa332bea74b15eedbd8e3d23c0d"
     assert hash_block(None, [1, 2, 3], ("salt",)).hex() == pinned
     assert hash_block(ROOT_HASH, [1, 2, 3], ("salt",)) == hash_block(None, [1, 2, 3], ("salt",))
+    # A private hash is the same digest with bit 0 of its first byte set.
+    assert hash_block(None, [1, 2, 3], ("salt",), private=True).hex() == "3d" + pinned[2:]
