@@ -16,10 +16,26 @@ def serve(
     port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
     served_model_name: Annotated[str | None, typer.Option(help="the name clients use (default: the folder's)")] = None,
     api_key: Annotated[
-        str | None, typer.Option(help="require 'Authorization: Bearer KEY' on every route but /health")
+        list[str] | None,
+        typer.Option(
+            metavar="KEY",
+            help="require 'Authorization: Bearer KEY' on every route but /health; repeat it for several tenants "
+            "(each key's requests then share no prefix cache with another's)"
+        ),
     ] = None,
     api_key_metrics: Annotated[
-        bool, typer.Option(help="require the API key on /metrics too (default: open to scrapers, as in vLLM)")
+        bool, typer.Option(help="require an API key on /metrics too (default: open to scrapers, as in vLLM)")
+    ] = False,
+    salt_by_api_key: Annotated[
+        bool,
+        typer.Option(help="with several --api-key, give each key's requests a prefix cache of their own (off: shared)"),
+    ] = True,
+    hide_prefix_cache_metrics: Annotated[
+        bool,
+        typer.Option(
+            help="leave the prefix-cache hit counters out of /metrics (they tell any reader whether a guessed "
+            "prompt was cached)"
+        ),
     ] = False,
     enable_admin: Annotated[
         bool, typer.Option(help="serve GET /admin/kv (block usage, connector state, integrity check)")
@@ -130,7 +146,8 @@ def serve(
     for line in startup_lines(engine, name):
         log.info("%s", line)
     async_engine = AsyncEngine(engine, name)
-    app = build_app(async_engine, name, api_key, enable_admin, host, max_request_bytes, api_key_metrics)
+    app = build_app(async_engine, name, api_key, enable_admin, host, max_request_bytes, api_key_metrics,
+                    salt_by_api_key, hide_prefix_cache_metrics)  # fmt: skip
     limits = app.state.limits
     log.info("requests: bodies up to %d bytes; prompt texts over %d characters are refused before tokenizing",
              limits.max_request_bytes, limits.max_prompt_chars)  # fmt: skip

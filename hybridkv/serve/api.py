@@ -11,6 +11,7 @@ streamed or not.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -22,7 +23,7 @@ from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.serve.async_engine import AsyncEngine
 from hybridkv.serve.chat import chat_text
 from hybridkv.serve.compile_pool import CompileBusy
-from hybridkv.serve.guards import error_response, guard, off_loop, require_json
+from hybridkv.serve.guards import error_response, guard, off_loop, require_json, tenant_salt
 from hybridkv.serve.info_routes import add_info_routes, check_model
 from hybridkv.serve.limits import checked, request_limits
 from hybridkv.serve.protocol import APIError, ChatRequest, CompletionRequest
@@ -35,18 +36,24 @@ DEFAULT_MAX_TOKENS = 16
 def build_app(
     engine: AsyncEngine,
     model_name: str,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     enable_admin: bool = False,
     bind_host: str | None = None,
     max_request_bytes: int | None = None,
     api_key_metrics: bool = False,
+    salt_by_api_key: bool = True,
+    hide_prefix_cache_metrics: bool = False,
 ) -> FastAPI:
-    """`bind_host`: the address the server listens on (a loopback one turns the Host check on);
-    `max_request_bytes`: None derives it from the model (serve/limits.py);
-    `api_key_metrics`: /metrics needs the API key too (by default scrapers read it without one, as in vLLM)."""
+    """`api_key`: one key or several (each a tenant: with several, each gets its own prefix cache unless
+    `salt_by_api_key` is off); `bind_host`: the address the server listens on (a loopback one turns the Host check
+    on); `max_request_bytes`: None derives it from the model (serve/limits.py); `api_key_metrics`: /metrics needs
+    an API key too (by default scrapers read it without one, as in vLLM); `hide_prefix_cache_metrics`: /metrics
+    leaves out the counters that tell a reader whether a prompt hit a cache."""
     app = FastAPI(title="hybridkv")
     limits = app.state.limits = request_limits(engine, max_request_bytes)
-    guard(app, api_key, bind_host, limits.max_request_bytes, api_key_metrics)
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    guard(app, keys, bind_host, limits.max_request_bytes, api_key_metrics, salt_by_api_key)
+    engine.metrics.hide_prefix_hits = hide_prefix_cache_metrics
     add_info_routes(app, engine, model_name, enable_admin, limits)
 
     @app.exception_handler(APIError)
@@ -119,7 +126,8 @@ def build_app(
         params = [within_context(base, len(p), asked) for p in ids]
         kv = transfer_params(req.kv_transfer_params, len(ids))
         head = meta("cmpl", "text_completion", model_name)
-        runs = [engine.generate(*run, req.cache_salt, constraint) for run in zip(ids, params, kv)]
+        salt = tenant_salt(request, req.cache_salt)
+        runs = [engine.generate(*run, salt, constraint) for run in zip(ids, params, kv)]
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return sse(runs[0], head, chat=False, usage=usage, token_text=token_text)
@@ -146,7 +154,7 @@ def build_app(
         constraint = await compile_constraint(params)
         (kv,) = transfer_params(req.kv_transfer_params, 1)
         head = meta("chatcmpl", "chat.completion", model_name)
-        run = engine.generate(ids, params, kv, req.cache_salt, constraint)
+        run = engine.generate(ids, params, kv, tenant_salt(request, req.cache_salt), constraint)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return sse(run, head | {"object": "chat.completion.chunk"}, chat=True, usage=usage)

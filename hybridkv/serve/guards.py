@@ -1,7 +1,8 @@
 """What the HTTP servers (the engine's and the PD proxy's) check before a request reaches a route.
 
-- `BearerAuth`: with an API key, every route but /health and /metrics needs `Authorization: Bearer <key>`
-  (constant-time); /metrics too when `protect_metrics` (vLLM leaves /metrics open to scrapers: so do we by default).
+- `BearerAuth`: with API keys, every route but /health and /metrics needs `Authorization: Bearer <key>` for one of
+  them (constant-time); /metrics too when `protect_metrics` (vLLM leaves /metrics open to scrapers: so do we by
+  default). Each key is a tenant: `tenant_salt` gives its requests their own prefix cache when there are several.
 - `LoopbackHosts`: a server bound to loopback answers only requests whose Host header names loopback, so a web
   page whose DNS name is rebound to 127.0.0.1 cannot talk to it as "same origin".
 - `require_json`: POST bodies must be `application/json`, which a browser cannot send cross-origin without a
@@ -16,10 +17,11 @@ would copy every SSE chunk through an extra task).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import ipaddress
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -57,20 +59,36 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 class BearerAuth:
-    def __init__(self, app: Any, api_key: str, protect_metrics: bool = False) -> None:
+    def __init__(self, app: Any, api_keys: Sequence[str], protect_metrics: bool = False, salt: bool = True) -> None:
+        """`salt`: with two or more keys, each key's requests get a prefix cache of their own (`tenant_salt`)."""
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
+        # A tenant's name in cache salts: a digest of its key (the key itself never enters a hash or a log).
+        self.tenants = [hashlib.sha256(b"hybridkv/tenant/" + key.encode()).hexdigest()[:32] for key in api_keys]
+        self.salt = salt and len(api_keys) > 1
         self.open_paths = frozenset(("/health",) if protect_metrics else ("/health", "/metrics"))
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            matches = [hmac.compare_digest(given, key) for key in self.expected]  # every key: constant time
+            if not any(matches):
                 await error_response(APIError(401, "missing or wrong API key", "authentication_error"))(
                     scope, receive, send
                 )
                 return
+            if self.salt:
+                scope.setdefault("state", {})["tenant"] = self.tenants[matches.index(True)]
         await self.app(scope, receive, send)
+
+
+def tenant_salt(request: Request, cache_salt: str | None) -> str | None:
+    """The cache salt a request's blocks are hashed with: its tenant's (with several API keys) joined with the
+    client's own `cache_salt`, so no tenant hits, or learns through /metrics or timing, another's prefixes."""
+    tenant = getattr(request.state, "tenant", None)
+    if tenant is None:
+        return cache_salt
+    return f"tenant:{tenant}" + ("" if cache_salt is None else f":{cache_salt}")
 
 
 class LoopbackHosts:
@@ -89,19 +107,21 @@ class LoopbackHosts:
 
 def guard(
     app: Any,
-    api_key: str | None,
+    api_keys: Sequence[str],
     bind_host: str | None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     protect_metrics: bool = False,
+    salt_by_api_key: bool = True,
 ) -> None:
-    """Install the guards that apply: the API key if set (on /metrics too with `protect_metrics`), the Host check
-    if the server binds loopback, the body limit `require_json` reads."""
+    """Install the guards that apply: the API keys if any (on /metrics too with `protect_metrics`; with several,
+    a prefix cache per key unless `salt_by_api_key` is off), the Host check if the server binds loopback, the body
+    limit `require_json` reads."""
     app.state.max_request_bytes = max_request_bytes
     # One thread parses and checks bodies: a flood of large bodies queues here instead of handing the GIL around
     # among many threads, which kept /health waiting 150-230 ms while twelve 500 KiB bodies were parsed at once.
     app.state.body_pool = ThreadPoolExecutor(BODY_WORKERS, thread_name_prefix="parse-body")
-    if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key, protect_metrics=protect_metrics)
+    if api_keys:
+        app.add_middleware(BearerAuth, api_keys=api_keys, protect_metrics=protect_metrics, salt=salt_by_api_key)
     if bind_host is not None and is_loopback_host(bind_host):
         app.add_middleware(LoopbackHosts)
 

@@ -44,14 +44,25 @@ def buckets_1_2_5(limit: int) -> tuple[int, ...]:
         scale *= 10
 
 
+def reveals_hits(name: str) -> bool:
+    """Whether a series tells its reader that some prompt hit a cache (a prefix oracle across tenants)."""
+    return name.startswith("vllm:prefix_cache") or "hit" in name
+
+
 class _Snapshot(Collector):
     """The engine thread's last published EngineStats as metric families, built at scrape time."""
 
     def __init__(self, labels: tuple[str, str]) -> None:
         self.labels = list(labels)
         self.stats = EngineStats()
+        self.hide_prefix_hits = False
 
     def collect(self) -> Iterator[Metric]:
+        for family in self._families():
+            if not (self.hide_prefix_hits and reveals_hits(family.name)):
+                yield family
+
+    def _families(self) -> Iterator[Metric]:
         s, labels = self.stats, self.labels
         total = s.blocks_used + s.blocks_free
 
@@ -123,6 +134,15 @@ class EngineMetrics:
         success = Counter("vllm:request_success", "Finished requests, by finish reason.", [*LABELS, "finished_reason"],
                           registry=self.registry)  # fmt: skip
         self.success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
+
+    @property
+    def hide_prefix_hits(self) -> bool:
+        """/metrics leaves out the series that reveal cache hits (`reveals_hits`)."""
+        return self._snapshot.hide_prefix_hits
+
+    @hide_prefix_hits.setter
+    def hide_prefix_hits(self, hide: bool) -> None:
+        self._snapshot.hide_prefix_hits = hide
 
     def finished(self, req: Request, now: float) -> None:
         """Observe a request that finished (engine thread). Phases it never reached (an error before its first

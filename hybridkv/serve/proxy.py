@@ -59,7 +59,7 @@ def build_proxy(
         await client.aclose()
 
     app = FastAPI(title="hybridkv proxy", lifespan=lifespan)
-    guard(app, None, bind_host)
+    guard(app, (), bind_host)
     prefills, decodes = itertools.cycle(prefill), itertools.cycle(decode)
 
     @app.get("/health")
