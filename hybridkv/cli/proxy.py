@@ -7,7 +7,7 @@ import typer
 
 def proxy(ctx: typer.Context) -> None:
     """--prefill URL [URL...] --decode URL [URL...] [--host 127.0.0.1] [--port 8192] [--connect-timeout 10]
-    [--read-timeout 300]"""
+    [--read-timeout 300] [--max-request-bytes 16777216]"""
     import uvicorn
 
     from hybridkv.serve.proxy import build_proxy
@@ -20,6 +20,7 @@ def proxy(ctx: typer.Context) -> None:
             bind_host=opts["--host"][0],
             connect_timeout_s=_seconds(opts, "--connect-timeout", 10.0),
             read_timeout_s=_seconds(opts, "--read-timeout", 300.0),
+            max_request_bytes=_bytes(opts, "--max-request-bytes", 16 << 20),
         )
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
@@ -30,7 +31,8 @@ def proxy(ctx: typer.Context) -> None:
 def parse_args(args: list[str]) -> dict[str, list[str]]:
     """`--prefill a b --decode c` style lists (each flag may also repeat, or take comma-separated URLs)."""
     opts: dict[str, list[str]] = {
-        "--prefill": [], "--decode": [], "--host": [], "--port": [], "--connect-timeout": [], "--read-timeout": []
+        "--prefill": [], "--decode": [], "--host": [], "--port": [], "--connect-timeout": [], "--read-timeout": [],
+        "--max-request-bytes": [],
     }  # fmt: skip
     current = None
     for arg in args:
@@ -47,6 +49,15 @@ def parse_args(args: list[str]) -> dict[str, list[str]]:
     if not opts["--port"][0].isdigit():
         raise ValueError(f"--port must be a number, got {opts['--port'][0]!r}")
     return opts
+
+
+def _bytes(opts: dict[str, list[str]], flag: str, default: int) -> int:
+    if not opts[flag]:
+        return default
+    value = opts[flag][-1]
+    if not value.isdigit() or int(value) < 1024:
+        raise ValueError(f"{flag} takes a byte count of at least 1024, got {value!r}")
+    return int(value)
 
 
 def _seconds(opts: dict[str, list[str]], flag: str, default: float) -> float:

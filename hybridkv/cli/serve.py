@@ -20,7 +20,7 @@ def serve(
         typer.Option(
             metavar="KEY",
             help="require 'Authorization: Bearer KEY' on every route but /health; repeat it for several tenants "
-            "(each key's requests then share no prefix cache with another's)"
+            "(each key's requests then share no prefix cache with another's)",
         ),
     ] = None,
     api_key_metrics: Annotated[

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from hybridkv.connectors.pd.protocol import RemoteDecode
-from hybridkv.serve.guards import error_response, guard, require_json
+from hybridkv.serve.guards import DEFAULT_MAX_REQUEST_BYTES, error_response, guard, require_json
 from hybridkv.serve.protocol import APIError
 from hybridkv.serve.responses import until_disconnected
 
@@ -40,8 +40,11 @@ def build_proxy(
     bind_host: str | None = None,
     connect_timeout_s: float = 10.0,
     read_timeout_s: float = 300.0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
-    """`read_timeout_s`: the longest an instance may stay silent (before its answer, or between streamed chunks)."""
+    """`read_timeout_s`: the longest an instance may stay silent (before its answer, or between streamed chunks);
+    `max_request_bytes`: bodies past it are 413s here (set it to the instances' limit, which their start-up log
+    prints, so an oversized body is never read twice)."""
     if not prefill or not decode:
         raise ValueError("the proxy needs at least one --prefill and one --decode URL")
     for url in prefill + decode:
@@ -59,7 +62,7 @@ def build_proxy(
         await client.aclose()
 
     app = FastAPI(title="hybridkv proxy", lifespan=lifespan)
-    guard(app, (), bind_host)
+    guard(app, (), bind_host, max_request_bytes)
     prefills, decodes = itertools.cycle(prefill), itertools.cycle(decode)
 
     @app.get("/health")
