@@ -134,13 +134,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer: pass prompts as token id lists")
-            if len(prompt) > self.max_prompt_chars:
-                raise ValueError(
-                    f"the prompt has {len(prompt)} characters; max_model_len is {self.max_model_len} tokens, "
-                    f"which with this tokenizer (longest token: {self.tokenizer.max_token_chars} characters) hold "
-                    f"at most {self.max_prompt_chars}: shorten it"
-                )
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode_within(prompt, self.max_model_len)
         return list(prompt)
 
     @property

@@ -27,6 +27,17 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
+    def encode_within(self, text: str, max_model_len: int) -> list[int]:
+        """`encode`, for a prompt that may fit `max_model_len`: a text too long to fit is a ValueError, without
+        being tokenized."""
+        bound = self.max_chars(max_model_len - 1)
+        if len(text) > bound:
+            raise ValueError(
+                f"the prompt has {len(text)} characters; max_model_len is {max_model_len} tokens, which with this "
+                f"tokenizer (longest token: {self.max_token_chars} characters) hold at most {bound}: shorten it"
+            )
+        return self.encode(text)
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
