@@ -291,6 +291,7 @@ class NixlConnector(KVConnector):
             "kv_transfer_params_refused_total": float(self.params_refused),
             "kv_side_channel_refused_total": float(self.server.refused_total),
             "kv_side_channel_busy_total": float(self.server.busy_total),
+            "kv_peer_jobs_refused_total": float(self.reader.io.admission.refused_total),  # no worker, backed off
         }
 
     def shutdown(self) -> None:
