@@ -7,7 +7,12 @@ The kernels are compiled at install (`pip install -e .` runs `setup.py`, which p
 `native_build`). `load_kernel` uses that build when its stamp matches this machine and these sources; otherwise
 (no compiler at install, a checkout copied to another CPU, a kernel edited since) it compiles the kernel once into
 `$HYBRIDKV_CACHE_DIR/kernels/<torch>-<cpu>-<checkout>` (default `~/.cache/hybridkv`), saying so in the log with a
-progress line; a machine that cannot build one logs why and its caller falls back to plain torch."""
+progress line; a machine that cannot build one logs why and its caller falls back to plain torch.
+
+The lazy folder's path is predictable, so what lies there is loaded only where another user cannot have planted or
+swapped it (`ownership.py`): the folder is created 0700, it and each module must belong to this user and be
+writable by no one else, and every folder above it must be this user's or root's and not writable by others
+unless sticky. Otherwise nothing is loaded or compiled there: one warning says why and the torch path runs."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import sys
 import threading
 import time
@@ -25,6 +31,7 @@ from pathlib import Path
 
 from hybridkv import native_build
 from hybridkv.native_build import build_key, build_lock, compile_kernel, import_module, read_stamp, stale_reason
+from hybridkv.ownership import unsafe_ancestor, unsafe_own
 
 KERNELS_ENV = "HYBRIDKV_KERNELS"
 MODES = ("native", "torch")
@@ -80,7 +87,9 @@ def _build(source: Path) -> object | None:
         if why is None and (module := _import(native_build.INSTALL_DIR, installed)) is not None:
             return module
         why = "not built at install" if installed is None else why or "the installed module does not load"
-        if (module := _import_current(build := _build_dir(), source, key)) is not None:
+        if not _private_build_dir(build := _build_dir()):
+            return None
+        if (module := _import_current(build, source, key)) is not None:
             return module
         if not _tools_present():
             return None
@@ -96,6 +105,8 @@ def _build(source: Path) -> object | None:
                     source.stem, seconds, build)  # fmt: skip
         if (stamp := read_stamp(build, source)) is None:
             raise RuntimeError(f"the build left no stamp in {build}")
+        if (problem := _unsafe_module(build, stamp)) is not None:
+            raise RuntimeError(f"the module it built cannot be trusted: {problem}")
         return import_module(build, stamp)
     except Exception as e:  # a compile error, a read-only home: the torch path still works
         why = str(e).splitlines()[0][:200] if str(e) else ""
@@ -105,8 +116,57 @@ def _build(source: Path) -> object | None:
 
 
 def _import_current(directory: Path, source: Path, key: dict[str, str]) -> object | None:
+    """The lazy build of `source` in `directory` if it is current and ours alone (else None, logged once)."""
     stamp = read_stamp(directory, source)
-    return _import(directory, stamp) if stale_reason(stamp, key) is None else None
+    if stale_reason(stamp, key) is not None:
+        return None
+    if (problem := _unsafe_module(directory, stamp)) is not None:
+        _warn_once(f"untrusted:{directory / str(stamp.get('file'))}", "not loading native kernel %s: %s; using the "
+                   "torch path (remove it, or set %s=torch)", source.stem, problem, KERNELS_ENV)  # fmt: skip
+        return None
+    return _import(directory, stamp)
+
+
+def _private_build_dir(build: Path) -> bool:
+    """Create the lazy folder (each missing level 0700) and check that only this user can put modules in it.
+    False (one warning) where another user could have planted or could swap what it holds."""
+    try:
+        for d in reversed([build, *build.parents]):
+            if not d.exists():
+                d.mkdir(mode=0o700)
+        bad = unsafe_ancestor(build) or unsafe_own(build, os.lstat(build))
+    except OSError as e:
+        _warn_once(f"dir:{build}", "native kernels: cannot use %s (%s); using the torch path", build, e)
+        return False
+    if bad is not None:
+        _warn_once(f"dir:{build}", "native kernels: not loading or building anything in %s: %s, so another user "
+                   "could plant a module there; using the torch path (fix the permissions, set HYBRIDKV_CACHE_DIR to "
+                   "a private folder, or set %s=torch)", build, bad.describe(), KERNELS_ENV)  # fmt: skip
+        return False
+    return True
+
+
+def _unsafe_module(directory: Path, stamp: dict) -> str | None:
+    """Why the module a stamp names cannot be trusted (not a plain file name, a link, not a regular file, not ours
+    alone), else None. The stamp itself is trusted as far as its folder is (`_private_build_dir`)."""
+    name = stamp.get("file")
+    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        return f"its stamp names {name!r}, not a file in {directory}"
+    path = directory / name
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file (a link or other)"
+    bad = unsafe_own(path, st)
+    return None if bad is None else bad.describe()
+
+
+def _warn_once(key: str, message: str, *args: object) -> None:
+    if key not in _said:
+        _said.add(key)
+        log.warning(message, *args)
 
 
 def _import(directory: Path, stamp: dict | None) -> object | None:

@@ -8,10 +8,11 @@ and its size, so no byte can move across a file boundary. Files are hashed in 8 
 
 Hashing a large checkpoint takes a while, so the digest is cached in `<model_dir>/.hybridkv-fingerprint.json` or,
 when the folder is not writable, `$XDG_CACHE_HOME/hybridkv/fingerprints/<sha256 of its realpath>.json`. An entry
-is keyed on the exact set of hashed files and each one's (size, mtime_ns, inode): rewriting a file in place and
-restoring its mtime goes unnoticed, as with `make` or `rsync`. An entry is trusted only if it is a regular file (not
-followed through a symlink) owned by us, not group/other-writable, and of the expected shape; otherwise it is
-recomputed and replaced.
+is keyed on the exact set of hashed files and each one's (size, mtime_ns, ctime_ns, inode, device). The change
+time is the key that matters: a rewrite in place that restores the mtime (`os.utime`, `touch -d`, a careless copy
+tool) still moves the ctime, which no unprivileged call can set back, so no rewrite keeps a stale digest. An entry
+is trusted only if it is a regular file (not followed through a symlink) owned by us, not group/other-writable, and
+of the expected shape; otherwise it is recomputed and replaced.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from hybridkv.kv.plan import KVPlan
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 1  # of the digest: a new one changes every model's fingerprint
+CACHE_VERSION = 2  # of cache entries; 2: keyed on ctime_ns and device too (1 trusted a rewrite restoring the mtime)
 COMPAT_VERSION = 2  # 2: specs describe themselves (recurrent states), dtype names without "torch."
 CACHE_NAME = ".hybridkv-fingerprint.json"
 CHUNK = 8 << 20
@@ -45,7 +47,7 @@ TOKENIZER_FILES = (
 )
 _warned_no_cache = False
 
-Stats = list[dict[str, int | str]]  # per hashed file: name, size, mtime_ns, ino
+Stats = list[dict[str, int | str]]  # per hashed file: name, size, mtime_ns, ctime_ns, ino, dev
 
 
 def _files(folder: Path) -> list[Path]:
@@ -58,7 +60,8 @@ def _stats(files: list[Path]) -> Stats:
     out: Stats = []
     for p in files:
         st = p.stat()  # follows links: a hub snapshot's files are links into its blob store
-        out.append({"name": p.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino})
+        out.append({"name": p.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+                    "ino": st.st_ino, "dev": st.st_dev})  # fmt: skip
     return out
 
 
@@ -100,7 +103,7 @@ def _read_cache(path: Path, stats: Stats) -> str | None:
                 return None
             entry = json.loads(f.read(16 << 20))
         digest = entry["digest"]
-        ok = entry["version"] == VERSION and entry["files"] == stats and isinstance(digest, str)
+        ok = entry["version"] == CACHE_VERSION and entry["files"] == stats and isinstance(digest, str)
         return digest if ok and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest) else None
     except (OSError, ValueError, TypeError, KeyError):
         return None
@@ -139,7 +142,7 @@ def model_fingerprint(model_dir: str | Path) -> str:
     if _stats(files) != stats:
         logger.warning("%s changed while it was being fingerprinted: not caching the result", folder)
         return digest
-    entry = {"version": VERSION, "digest": digest, "files": stats}
+    entry = {"version": CACHE_VERSION, "digest": digest, "files": stats}
     errors = []
     for i, path in enumerate(caches):
         try:

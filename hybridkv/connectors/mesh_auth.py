@@ -115,15 +115,22 @@ def xor_stream(key: bytes, nonce: bytes, data: bytes) -> bytes:
 
 
 class ReplayGuard:
-    """Refuses a message whose timestamp is outside the window or whose nonce was seen within it. Only messages
-    whose MAC verified reach it, so only mesh members can fill it. Thread-safe."""
+    """Refuses a message whose timestamp is outside the window or whose nonce was seen within it. Invariant: a
+    nonce is recorded only for a message whose MAC verified under a secret key (`fresh`), so only mesh members can
+    fill the table (at most `max_nonces`; past it new messages are refused). Without a secret a MAC is a checksum
+    anyone can make: there the server checks only the timestamp (`in_window`), since a replay gains nothing a new
+    message would not, and a table would be anyone's to fill. Thread-safe."""
 
     def __init__(self, window_s: float = REPLAY_WINDOW_S, max_nonces: int = MAX_NONCES) -> None:
         self.window_s, self.max_nonces = window_s, max_nonces
         self._seen: dict[bytes, float] = {}  # nonce -> when it was seen (insertion order = time order)
         self._lock = threading.Lock()
 
+    def in_window(self, timestamp: float) -> bool:
+        return abs(time.time() - timestamp) <= self.window_s  # False for NaN too
+
     def fresh(self, nonce: bytes, timestamp: float) -> bool:
+        """In the window and never seen: records the nonce. Call only once the message's MAC verified."""
         now = time.time()
         if not abs(now - timestamp) <= self.window_s:  # also refuses NaN
             return False

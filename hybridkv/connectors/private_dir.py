@@ -17,6 +17,8 @@ import os
 import stat
 from pathlib import Path
 
+from hybridkv.ownership import unsafe_ancestor
+
 logger = logging.getLogger(__name__)
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -60,23 +62,18 @@ def make_private_dir(root: Path, path: Path) -> None:
 
 def check_ancestors(root: Path) -> None:
     """Each existing directory from `root` up to / is ours or root's and not writable by others unless sticky."""
-    me = os.geteuid()
-    here = Path(os.path.abspath(root))
-    for d in (here, *here.parents):
-        try:
-            st = os.stat(d)
-        except FileNotFoundError:
-            continue  # created below, 0700
-        except OSError as e:
-            raise ValueError(f"cannot use {root} for the disk offload tier: {e}") from e
-        if st.st_uid not in (me, 0):
-            raise ValueError(
-                f"the disk offload tier's root {root} lies under {d}, which belongs to uid {st.st_uid}: that user "
-                "could swap the tier's directory; choose a disk_path under directories only this user or root own"
-            )
-        if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise ValueError(
-                f"the disk offload tier's root {root} lies under {d}, which other users may write to (mode "
-                f"{stat.S_IMODE(st.st_mode):o}, not sticky): they could swap the tier's directory; chmod go-w {d} "
-                "or choose another disk_path"
-            )
+    try:
+        bad = unsafe_ancestor(root)
+    except OSError as e:
+        raise ValueError(f"cannot use {root} for the disk offload tier: {e}") from e
+    if bad is not None and bad.reason == "owner":
+        raise ValueError(
+            f"the disk offload tier's root {root} lies under {bad.path}, which belongs to uid {bad.uid}: that user "
+            "could swap the tier's directory; choose a disk_path under directories only this user or root own"
+        )
+    if bad is not None:
+        raise ValueError(
+            f"the disk offload tier's root {root} lies under {bad.path}, which other users may write to (mode "
+            f"{bad.mode:o}, not sticky): they could swap the tier's directory; chmod go-w {bad.path} "
+            "or choose another disk_path"
+        )

@@ -117,7 +117,7 @@ def build_proxy(
                     return url, _json(r).get("kv_transfer_params")
                 if r.status_code < 500:
                     return url, JSONResponse(_json(r), status_code=r.status_code)
-                logger.warning("prefill instance %s failed: %d %s", url, r.status_code, r.text[:200])
+                logger.warning("prefill instance %s failed: %d %s", url, r.status_code, ascii(r.text[:200]))
             counts["prefill_retries"] += attempt + 1 < len(prefill)
         counts["prefill_fallbacks"] += 1
         logger.warning("no prefill instance answered: the decoder serves the request alone")
@@ -176,7 +176,7 @@ def build_proxy(
         try:
             r = await client.post(f"{p_url}/kv_transfer/release", json={"kv_transfer_params": params}, headers=headers)
             if r.status_code != 200:
-                logger.warning("could not release a prefill lease at %s: %s", p_url, r.text[:200])
+                logger.warning("could not release a prefill lease at %s: %s", p_url, ascii(r.text[:200]))
         except httpx.HTTPError as e:
             logger.warning("could not release a prefill lease at %s: %s", p_url, e)
 

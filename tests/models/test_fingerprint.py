@@ -94,7 +94,7 @@ def test_bytes_cannot_move_across_a_file_boundary(tmp_path):
     assert model_fingerprint(two) != before
 
 
-def test_a_restart_reads_the_cache_and_it_keys_on_size_and_mtime(tmp_path, user_cache):
+def test_a_restart_reads_the_cache_and_it_keys_on_size_mtime_and_ctime(tmp_path, user_cache):
     folder = checkpoint(tmp_path / "m")
     first = model_fingerprint(folder)
     hashed = len(user_cache)
@@ -105,15 +105,16 @@ def test_a_restart_reads_the_cache_and_it_keys_on_size_and_mtime(tmp_path, user_
     data = bytearray(weights.read_bytes())
     data[len(data) // 4] ^= 0x01
     rewrite_keeping_mtime(weights, bytes(data))
-    assert model_fingerprint(folder) == first  # same (size, mtime_ns, inode): the cached value sticks
+    assert model_fingerprint(folder) != first  # the mtime was put back, the ctime moved: hashed again
+    assert len(user_cache) == 2 * hashed
     st = weights.stat()
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     changed = model_fingerprint(folder)
-    assert changed != first and len(user_cache) == 2 * hashed
+    assert changed != first and len(user_cache) == 3 * hashed
 
-    rewrite_keeping_mtime(weights, bytes(data) + b"\0")  # only the size differs now
+    rewrite_keeping_mtime(weights, bytes(data) + b"\0")  # the size differs too now
     grown = model_fingerprint(folder)
-    assert grown not in (first, changed) and len(user_cache) == 3 * hashed
+    assert grown not in (first, changed) and len(user_cache) == 4 * hashed
 
 
 def test_adding_or_removing_a_file_invalidates_the_cache(tmp_path, user_cache):
@@ -133,7 +134,7 @@ def test_adding_or_removing_a_file_invalidates_the_cache(tmp_path, user_cache):
 def forged_entry(folder):
     """A well-formed cache entry for the folder's current files, with a digest nobody computed."""
     files = fp._stats(fp._files(folder))
-    return {"version": fp.VERSION, "digest": "0" * 64, "files": files}
+    return {"version": fp.CACHE_VERSION, "digest": "0" * 64, "files": files}
 
 
 @pytest.mark.parametrize(
@@ -157,7 +158,7 @@ def test_an_untrustworthy_cache_file_is_ignored(tmp_path, monkeypatch, user_cach
     elif case == "non-hex digest":
         cache.write_text(json.dumps(entry | {"digest": "z" * 64}))
     elif case == "wrong version":
-        cache.write_text(json.dumps(entry | {"version": fp.VERSION + 1}))
+        cache.write_text(json.dumps(entry | {"version": fp.CACHE_VERSION + 1}))
     elif case == "foreign owner":
         monkeypatch.setattr(fp.os, "geteuid", lambda: os.getuid() + 1)
     elif case == "group-writable":

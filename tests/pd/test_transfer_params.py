@@ -160,7 +160,7 @@ def test_hostile_handshake_replies_are_value_errors(reply):
 
 
 def test_side_channel_messages_parse_strictly():
-    assert parse_handshake_reply({"ok": False, "error": "x" * 10_000}).error == "x" * 500
+    assert parse_handshake_reply({"ok": False, "error": "x" * 10_000}).error == "x" * 200 + "..."  # peer_text
     assert parse_lease_reply({"ok": True, "held": True}).held
     for bad in ({"ok": True, "held": 1}, {"ok": True}):
         with pytest.raises(ValueError):

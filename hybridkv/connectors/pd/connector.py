@@ -54,6 +54,7 @@ from hybridkv.connectors.pd.protocol import (
 from hybridkv.connectors.pd.reader import NixlReader
 from hybridkv.connectors.pd.side_channel_server import SideChannelServer
 from hybridkv.connectors.pd.transport import NixlTransport
+from hybridkv.connectors.pd.used_leases import UsedLeases
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
 from hybridkv.request.state import Request
@@ -104,6 +105,7 @@ class NixlConnector(KVConnector):
             )
         self.leases = LeaseTable(self.lease_s, max_hold_s=2 * self.lease_s + self.timeout_s)
         self.params_refused = 0
+        self.used_leases = UsedLeases()  # lease ids whose params this decoder accepted: each is read once
         self.leases_refused = 0  # finished requests not leased: leases held MAX_LEASED_FRACTION of the pool
         self._event = threading.Event()
         self._wake = self._event.set
@@ -156,6 +158,9 @@ class NixlConnector(KVConnector):
             problem = "kv_transfer_params: expired (the prefill instance's lease has ended)"
         elif not self.keys.authenticated and not is_loopback(params.host):
             problem = "kv_transfer_params: without a mesh secret this decoder reads only from instances on this host"
+        elif not self.used_leases.claim(params.lease_id, params.expires_at):  # last: only verified params claim
+            problem = ("kv_transfer_params: already used (each lease is read at most once; send the prompt to a "
+                       "prefill instance again for new params)")  # fmt: skip
         if problem is None:
             return params
         self.params_refused += 1
@@ -286,6 +291,7 @@ class NixlConnector(KVConnector):
             "kv_transfer_params_refused_total": float(self.params_refused),
             "kv_side_channel_refused_total": float(self.server.refused_total),
             "kv_side_channel_busy_total": float(self.server.busy_total),
+            "kv_peer_jobs_refused_total": float(self.reader.io.admission.refused_total),  # no worker, backed off
         }
 
     def shutdown(self) -> None:

@@ -2,7 +2,10 @@
 
 Each peer address gets its own worker thread, so a slow, silent or hostile peer delays only the requests that
 named it. A worker runs its peer's jobs in order, renews the leases tracked at that peer while it is idle, and
-ends once it has had nothing to do for a while. Results come back through `results()`; `notify` wakes the engine
+ends once it has had nothing to do for a while (at once, for an address that never answered a handshake).
+`PeerAdmission` decides which addresses get a worker and a queued job: slots kept for proven peers, per-address
+limits, and a back-off for addresses that failed, so forged params (possible without a mesh secret) cannot use
+up the workers a real prefill instance needs. Results come back through `results()`; `notify` wakes the engine
 when there are some. A job that fails in any way posts its failure: no exception ends a worker.
 """
 
@@ -11,11 +14,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
 from hybridkv.connectors.mesh_auth import MeshKeys
+from hybridkv.connectors.pd.peer_admission import AdmissionPolicy, PeerAdmission
 from hybridkv.connectors.pd.protocol import (
     HandshakeReply,
     HandshakeRequest,
@@ -25,12 +30,14 @@ from hybridkv.connectors.pd.protocol import (
     parse_handshake_reply,
     parse_lease_reply,
 )
-from hybridkv.connectors.pd.side_channel import request
+from hybridkv.connectors.pd.side_channel import MalformedReply, request
 
 logger = logging.getLogger(__name__)
 
 MAX_PEERS = 64  # workers at once: jobs for further peer addresses fail at once
-IDLE_EXIT_S = 30.0  # a worker with no job and no tracked lease for this long ends
+RESERVED_PEERS = 16  # of them, kept for addresses that answered a handshake before
+IDLE_EXIT_S = 30.0  # a proven peer's worker with no job and no tracked lease for this long ends
+UNPROVEN_LINGER_S = 0.05  # an unproven address's worker with no job and no tracked lease ends after this
 
 
 class ResultKind(Enum):
@@ -64,9 +71,16 @@ Job = tuple[Callable[[], PeerResult | None], ResultKind, str, tuple[str, int] | 
 
 class PeerIO:
     def __init__(
-        self, notify: Callable[[], None], keys: MeshKeys, renew_every_s: float, timeout_s: float = 5.0
+        self,
+        notify: Callable[[], None],
+        keys: MeshKeys,
+        renew_every_s: float,
+        timeout_s: float = 5.0,
+        policy: AdmissionPolicy | None = None,
     ) -> None:
         self.notify, self.keys = notify, keys
+        policy = policy or AdmissionPolicy(max_peers=MAX_PEERS, reserved=min(RESERVED_PEERS, MAX_PEERS - 1))
+        self.admission = PeerAdmission(policy)  # under self._lock
         self.renew_every_s = renew_every_s
         self.timeout_s = timeout_s
         self._results: list[PeerResult] = []
@@ -158,14 +172,17 @@ class PeerIO:
     def _submit(self, host: str, port: int, job: Job) -> None:
         with self._lock:  # held while queueing: a worker decides to end under it, seeing no job
             jobs = self._workers.get((host, port))
-            if jobs is None and len(self._workers) < MAX_PEERS and not self._stopped:
+            queued = None if jobs is None else jobs.qsize()
+            why = "stopped" if self._stopped else None
+            why = why or self.admission.refusal((host, port), queued, list(self._workers), time.monotonic())
+            if why is None and jobs is None:
                 jobs = self._workers[(host, port)] = queue.SimpleQueue()
                 name = f"hybridkv-peer-io-{host}:{port}"
                 threading.Thread(target=self._work, args=(host, port, jobs), name=name, daemon=True).start()
-            if jobs is not None:
+            if why is None and jobs is not None:
                 jobs.put(job)
                 return
-        self._fail(job, f"too many prefill instances in flight (more than {MAX_PEERS})")
+        self._fail(job, why or "not queued")
 
     def _fail(self, job: Job, reason: str) -> None:
         _, kind, key, address = job
@@ -176,34 +193,65 @@ class PeerIO:
             self._post(PeerResult(kind, key, False, reason, address=address))
 
     def _work(self, host: str, port: int, jobs: queue.SimpleQueue[Job | None]) -> None:
-        idle = 0.0
+        address = (host, port)
+        idle_since = next_renew = time.monotonic()
+        next_renew += self.renew_every_s
         while True:
+            with self._lock:
+                proven = self.admission.proven(address)
+            wait = next_renew - time.monotonic()
             try:
-                job = jobs.get(timeout=self.renew_every_s)
+                job = jobs.get(timeout=max(0.0, wait if proven else min(wait, UNPROVEN_LINGER_S)))
             except queue.Empty:
+                now = time.monotonic()
                 with self._lock:
-                    targets = [t for t in self._tracked.values() if (t.host, t.port) == (host, port)]
-                    idle = 0.0 if targets else idle + self.renew_every_s
-                    if idle >= IDLE_EXIT_S and jobs.empty():
-                        if self._workers.get((host, port)) is jobs:
-                            del self._workers[(host, port)]
+                    targets = [t for t in self._tracked.values() if (t.host, t.port) == address]
+                    idle_since = now if targets else idle_since
+                    # Invariant: an unproven address holds a worker only while it has work (jobs or leases).
+                    if not targets and jobs.empty() and (not proven or now - idle_since >= IDLE_EXIT_S):
+                        if self._workers.get(address) is jobs:
+                            del self._workers[address]
                         return
-                for target in targets:
-                    self._renew(target)
+                if now >= next_renew:
+                    next_renew = now + self.renew_every_s
+                    for target in targets:
+                        self._renew(target)
                 continue
             if job is None:
                 return
-            idle = 0.0
+            idle_since = time.monotonic()
+            with self._lock:
+                left = self.admission.backoff_left(address, idle_since)
+            if left > 0:  # it failed while this job waited: fail the job without contact
+                self._fail(job, f"KV side channel {host}:{port} failed recently: not contacted for {left:.1f} s")
+                continue
             try:
                 result = job[0]()
             except Exception as e:  # whatever this peer sent, it fails this job only
+                self._outcome(address, e)
                 self._fail(job, str(e) if isinstance(e, ConnectionError) else f"KV side channel {host}:{port}: {e}")
                 continue
+            self._outcome(address, result)
             if result is not None:
                 self._post(result)
+
+    def _outcome(self, address: tuple[str, int], outcome: PeerResult | Exception | None) -> None:
+        """Back the address off after it could not be reached or would not handshake; a reply that authenticated
+        clears that, and a handshake reply proves the address (it may then use the reserved workers)."""
+        with self._lock:
+            if isinstance(outcome, ConnectionError) and not isinstance(outcome, MalformedReply):
+                self.admission.failed(address, time.monotonic())
+            elif isinstance(outcome, PeerResult) and outcome.kind is ResultKind.HANDSHAKE and not outcome.ok:
+                self.admission.failed(address, time.monotonic())  # an authenticated refusal: incompatible
+            elif not isinstance(outcome, Exception):
+                handshake = isinstance(outcome, PeerResult) and outcome.kind is ResultKind.HANDSHAKE
+                self.admission.succeeded(address, handshake)
 
     def _renew(self, target: Target) -> None:
         try:
             self._lease_op(target, Op.RENEW)
         except Exception as e:
+            self._outcome((target.host, target.port), e)
             logger.info("side channel: %s", e)
+            return
+        self._outcome((target.host, target.port), None)

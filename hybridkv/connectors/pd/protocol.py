@@ -246,9 +246,20 @@ def parse_lease_reply(msg: Mapping[str, Any]) -> LeaseReply | Refusal:
     return LeaseReply(msg["held"])
 
 
+MAX_PEER_TEXT = 200  # characters of a peer's refusal text we keep
+
+
+def peer_text(value: str) -> str:
+    """Text a peer sent, made safe to log and to quote in errors: at most MAX_PEER_TEXT characters, escaped as
+    `ascii()` does (no newline, control or escape sequence survives to forge a log line or move a terminal)."""
+    escaped = ascii(value[: MAX_PEER_TEXT + 1])[1:-1]  # printable ASCII only: cutting it anywhere is safe
+    return escaped if len(escaped) <= MAX_PEER_TEXT else escaped[:MAX_PEER_TEXT] + "..."
+
+
 def _refusal(msg: Mapping[str, Any]) -> Refusal:
+    """Invariant: a Refusal's error from a peer is always `peer_text`, whatever logs or quotes it later."""
     error = msg.get("error")
-    return Refusal(error[:500] if isinstance(error, str) else "refused")
+    return Refusal(peer_text(error) if isinstance(error, str) else "refused")
 
 
 def _keys(msg: Mapping[str, Any], allowed: set[str]) -> None:

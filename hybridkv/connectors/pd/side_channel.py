@@ -39,6 +39,11 @@ class ProtocolError(ValueError):
     """A frame that is malformed, too large, unauthenticated, stale or replayed."""
 
 
+class MalformedReply(ConnectionError):
+    """A reply that authenticated but does not parse: the peer was reached and holds the secret (as opposed to a
+    plain ConnectionError: not reached, silent, or not a mesh member)."""
+
+
 def encode(keys: MeshKeys, kind: int, message: dict[str, Any], bound: bytes = b"", nonce: bytes | None = None) -> bytes:
     nonce = nonce or os.urandom(NONCE_BYTES)
     payload = xor_stream(keys.cipher, nonce, json.dumps(message, separators=(",", ":")).encode())
@@ -102,9 +107,10 @@ def decode_payload(payload: bytes) -> dict[str, Any]:
 
 def request(host: str, port: int, message: dict[str, Any], keys: MeshKeys, timeout: float = 5.0) -> dict[str, Any]:
     """Send one request, return its verified reply. Raises ConnectionError naming the peer on any failure,
-    a refusal included."""
+    a refusal included (MalformedReply where the reply authenticated but did not parse)."""
     nonce = os.urandom(NONCE_BYTES)
     deadline = time.monotonic() + timeout
+    authenticated = False
     try:
         with socket.create_connection((host, port), timeout=timeout) as conn:
             conn.sendall(encode(keys, REQUEST, message, nonce=nonce))
@@ -116,6 +122,8 @@ def request(host: str, port: int, message: dict[str, Any], keys: MeshKeys, timeo
                     if refused
                     else "its reply does not authenticate"
                 )
+            authenticated = True
             return decode_payload(xor_stream(keys.cipher, reply_nonce, payload))
     except (OSError, ValueError, OverflowError) as e:
-        raise ConnectionError(f"KV side channel {host}:{port}: {e}") from e
+        error = MalformedReply if authenticated else ConnectionError
+        raise error(f"KV side channel {host}:{port}: {e}") from e

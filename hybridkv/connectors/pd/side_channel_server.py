@@ -4,7 +4,8 @@ Each connection may take CONNECTION_DEADLINE_S to deliver one whole request fram
 a socket, not a thread, and when MAX_CONNECTIONS are open a new one evicts the oldest connection whose frame is
 still incomplete. A mesh peer sends its frame in one piece and is answered within a millisecond, so no number of
 idle, dripping or reconnecting clients keeps it out. A request that fails its length, MAC, timestamp or nonce
-check gets the one generic, unsigned refusal. The loop sleeps in epoll when idle.
+check gets the one generic, unsigned refusal (without a mesh secret nonces are not recorded: anyone could fill the
+table, and anyone can make a fresh message anyway). The loop sleeps in epoll when idle.
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ class SideChannelServer:
                 self._incomplete.pop(writer, None)
                 if not mac_ok(self.keys.channel, tag, head, b"", payload):
                     raise ProtocolError("MAC does not verify (no or another mesh secret)")
-                if not self.replays.fresh(nonce, ts):
+                # Nonces are recorded only after the MAC verified, and only under a secret (see ReplayGuard).
+                fresh = self.replays.fresh(nonce, ts) if self.keys.authenticated else self.replays.in_window(ts)
+                if not fresh:
                     raise ProtocolError("stale timestamp or replayed nonce")
                 message = decode_payload(xor_stream(self.keys.cipher, nonce, payload))
             except (ProtocolError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
