@@ -34,9 +34,13 @@ def siege(server: Process, attack, slowdown: float = 4.0) -> list:
         responses = attack()
         time.sleep(0.2)  # the victim's next answer comes after the attack
     probe.check()
-    victim.check(slowdown)
+    ratio = victim.check(slowdown)
     wait_idle(server.url)
-    assert rss_kib(server.proc.pid) < before * 1.1 + 4096, (before, rss_kib(server.proc.pid))
+    after = rss_kib(server.proc.pid)
+    print(f"\n/health max {max(probe.latencies) * 1e3:.0f} ms over {len(probe.latencies)} probes; victim "
+          f"{len(victim.answers)} answers, worst {ratio:.1f}x its quiet {victim.quiet_s * 1e3:.0f} ms; "
+          f"RSS {before >> 10} -> {after >> 10} MiB")  # fmt: skip
+    assert after < before * 1.1 + 4096, (before, after)
     return responses
 
 
