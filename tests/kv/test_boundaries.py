@@ -23,6 +23,7 @@ LAYERS = [
     "json_config",  # the JSON options (vLLM's --*-config flags): parsing and key checks
     "launch",  # starts `hybridkv` processes (the sweep, tests); imports nothing of ours
     "tiny_models",  # random tiny checkpoints; imports nothing of ours
+    "ownership",  # who may write a folder or file (the kernel cache, the disk tier); imports nothing of ours
     "native_build",  # compiles the kernels (setup.py and native); imports nothing of ours
     "native",
     "kv",
