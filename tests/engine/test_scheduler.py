@@ -73,24 +73,6 @@ def test_preemption_frees_and_recomputes():
     assert len(a.output_token_ids) == 30 and len(b.output_token_ids) == 30
 
 
-def test_prefix_cache_queries_count_every_admission_with_the_tokens_it_then_has():
-    """vLLM's prefix_cache_queries: each admission looks up all the request's tokens, a re-admission after a
-    preemption included (with the outputs it had by then). Counted here from the requests' own states."""
-    s = make(blocks=12, budget=64, max_len=64)
-    reqs = [req("a", 30, max_tokens=30), req("b", 30, max_tokens=30)]
-    for r in reqs:
-        s.add(r)
-    admitted: list[int] = []
-    while s.has_unfinished():
-        before = {r.request_id: r.status for r in reqs}
-        out = schedule(s)
-        waiting, running = RequestStatus.WAITING, RequestStatus.RUNNING
-        admitted += [r.num_tokens for r in reqs if before[r.request_id] is waiting and r.status is running]
-        update(s, out, {c.request_id: 7 for c in out.chunks if c.sample})
-    assert len(admitted) >= 3 and max(admitted) > 30  # a preempted request came back with outputs
-    assert s.stats.prefix_query_tokens == sum(admitted)
-
-
 def test_abort_frees_blocks_at_any_point():
     s = make()
     s.add(req("a", 40, max_tokens=50))
