@@ -97,3 +97,31 @@ def test_prefill_instance_runs_no_consumer_beyond_the_first_token(tmp_path, monk
     llm.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     assert sum(seen) == len(PROMPTS)
     assert torch.get_num_threads() >= 1
+
+
+def test_output_rows_attend_through_their_own_block_tables(tmp_path):
+    """A step whose sorted chunks put a prompt's non-sampling chunk before another's sampling one (a 20-token
+    padded chunk before a 300-token tiled one): the output-row attention of the consumer layers must use the
+    sampling chunk's block tables, so greedy tokens equal those of every row through every layer."""
+    prompts = [list(range(5, 305)), list(range(7, 107))]  # 300 tokens (samples in step 1), 100 (20 of them there)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    folder = build("gemma4", tmp_path)
+
+    def tokens(narrow: bool) -> tuple[list[list[int]], list[list]]:
+        llm = LLM(
+            str(folder), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=320, batch_invariant=False
+        )
+        runner = llm.engine.runner
+        llm.engine.model.narrows_outputs = narrow
+        steps: list[list] = []  # per step: the tables of every chunk, then (if narrowed) the output rows'
+        run, metadata = runner.run, runner._metadata
+        runner.run = lambda output: steps.append([]) or run(output)
+        runner._metadata = lambda step, tables: steps[-1].append(tables) or metadata(step, tables)
+        outs = llm.generate(prompts, params)
+        return [o.outputs[0].token_ids for o in outs], [s for s in steps if len(s) == 2]
+
+    want, _ = tokens(narrow=False)
+    got, pairs = tokens(narrow=True)
+    # The step that matters ran: its output rows' tables are not the first chunks' tables.
+    assert any(out != every[: len(out)] for every, out in pairs), pairs
+    assert got == want

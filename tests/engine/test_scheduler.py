@@ -122,3 +122,52 @@ def test_bad_requests_are_rejected_and_lose_nothing():
 def test_sampling_params_validation(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+def test_preemption_picks_the_newest_request_never_one_scheduled_this_step():
+    """Blocks run out while decoding three requests: each victim is the most recently admitted running request, and
+    no request both runs a chunk and is preempted in one step (its freed blocks would be written by that chunk)."""
+    s = make(blocks=16, budget=64, max_len=64)
+    reqs = [req(r, 20, max_tokens=40) for r in "abc"]
+    for r in reqs:
+        s.add(r)
+    victims = 0
+    for _ in range(300):
+        if not s.has_unfinished():
+            break
+        before = [r.request_id for r in s.running]
+        out = schedule(s)
+        ran = {c.request_id for c in out.chunks}
+        assert not ran & set(out.preempted), (ran, out.preempted)
+        if out.preempted:  # popped newest first, from the running list as it stood
+            assert out.preempted == before[::-1][: len(out.preempted)], (before, out.preempted)
+            victims += len(out.preempted)
+        update(s, out, {c.request_id: 7 for c in out.chunks if c.sample})
+        s.kv.check_integrity()
+    assert not s.has_unfinished() and victims >= 2
+    assert [len(r.output_token_ids) for r in reqs] == [40, 40, 40]
+    assert reqs[0].num_preemptions == 0  # the oldest always runs on
+
+
+def test_prefix_cache_queries_count_every_admission_with_its_tokens_then():
+    """A request readmitted after a preemption queries the prefix cache again, for all its tokens at that time
+    (prompt and the outputs it recomputes), as vLLM counts; its prompt counts once in prompt_tokens."""
+    s = make(blocks=12, budget=64, max_len=64)
+    reqs = [req("a", 30, max_tokens=30), req("b", 30, max_tokens=30)]
+    for r in reqs:
+        s.add(r)
+    queried, readmitted_with_outputs = 0, 0
+    for _ in range(300):
+        if not s.has_unfinished():
+            break
+        waiting = {r.request_id: (r.num_tokens, len(r.output_token_ids)) for r in s.waiting}
+        out = schedule(s)
+        for r in s.running:
+            if r.request_id in waiting:
+                n, outputs = waiting[r.request_id]
+                queried += n
+                readmitted_with_outputs += outputs > 0
+        update(s, out, {c.request_id: 7 for c in out.chunks if c.sample})
+    assert not s.has_unfinished() and readmitted_with_outputs >= 1 and s.num_preemptions >= 1
+    assert s.stats.prefix_query_tokens == queried > 60
+    assert s.stats.prompt_tokens == 60 and s.stats.prefix_hit_tokens <= queried

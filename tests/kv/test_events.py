@@ -9,6 +9,7 @@ import torch
 from hybridkv.kv.coordinator import KVCacheCoordinator
 from hybridkv.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventLog
 from hybridkv.kv.hashing import hash_block, hash_blocks
+from hybridkv.kv.managers import log_stored
 from hybridkv.kv.model_kv import ModelKV
 from hybridkv.kv.state import RecurrentStateSpec
 from tests.kv.util import BS, P, full, model, plan
@@ -166,3 +167,21 @@ def test_random_traffic_replays_to_the_pool_and_every_record_is_a_chain():
         cached = replay(events, cached)
         assert cached == pool_set(c), f"step {step}"
     assert stored > 50
+
+
+def test_stored_runs_split_where_the_entered_blocks_have_a_gap():
+    """Blocks 2 and 5 were cached already (by another request's blocks): the entered 0-1, 3-4 and 6 are three
+    records, each with its own parent and tokens. One record for 0-6 would republish 2 and 5, keys this tier
+    already had, and with them blocks this request did not store."""
+    toks = tokens(8, 7 * BS)
+    hashes = hash_blocks(toks, BS)
+    log = KVEventLog()
+    log_stored(log, [0, 1, 3, 4, 6], hashes, toks, BS, 1)
+    got = [(e.block_hashes, e.parent_block_hash, e.token_ids, e.group_id) for e in log.drain()]
+    assert got == [
+        (tuple(hashes[0:2]), None, tuple(toks[0 : 2 * BS]), 1),
+        (tuple(hashes[3:5]), hashes[2], tuple(toks[3 * BS : 5 * BS]), 1),
+        (tuple(hashes[6:7]), hashes[5], tuple(toks[6 * BS : 7 * BS]), 1),
+    ]
+    log_stored(log, [2, 3, 4], hashes, toks, BS, 0)  # no gap: one record
+    assert [e.block_hashes for e in log.drain()] == [tuple(hashes[2:5])]

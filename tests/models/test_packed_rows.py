@@ -159,6 +159,40 @@ def test_a_probe_that_disagrees_keeps_onednn(monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", packed_rows.PROBE_ROWS)
+def test_the_probe_checks_the_last_row_of_every_probed_row_count(monkeypatch, rows):
+    """A kernel right everywhere but in the last row of one row count, which it sums exactly (float64, as if in
+    another order): against the cancelling weight that row must be ones, where any order but oneDNN's shows, and
+    the probe must compare it. oneDNN is kept; the honest kernel is trusted for the same shape."""
+    real, n, k = rows_kernel(), 96, 160
+    weights: list[torch.Tensor] = []
+    probe = packed_rows.cancelling_probe
+
+    def recording_probe(*args) -> tuple[torch.Tensor, torch.Tensor]:
+        weight, x = probe(*args)
+        weights.append(weight)
+        return weight, x
+
+    monkeypatch.setattr(packed_rows, "cancelling_probe", recording_probe)
+
+    class OtherOrderInOneRow:
+        def linear_rows(self, x, address, n, k, bias):
+            out = real.linear_rows(x, address, n, k, bias)
+            if x.shape[0] == rows:
+                out[-1] = (x[-1].double() @ weights[-1].double().T).to(torch.bfloat16)
+            return out
+
+    packed_rows.kernel_matches_onednn.cache_clear()
+    try:
+        assert PackedWeight(torch.randn(n, k).bfloat16()).address is not None, "the honest kernel is not trusted"
+        packed_rows.kernel_matches_onednn.cache_clear()
+        monkeypatch.setattr(packed_rows, "rows_kernel", lambda: OtherOrderInOneRow())
+        assert PackedWeight(torch.randn(n, k).bfloat16()).address is None
+    finally:
+        packed_rows.kernel_matches_onednn.cache_clear()
+
+
+@needs_kernel
 def test_refuses_what_it_cannot_read():
     """The kernel's own checks, whatever the probe decides: any 64-byte aligned span of the layout's size."""
     span = torch.zeros(layout_bytes(64, 64) + 64, dtype=torch.uint8)

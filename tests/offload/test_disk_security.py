@@ -156,6 +156,32 @@ def test_a_special_file_under_an_entry_name_is_refused_at_once(tmp_path, kind):
     tier.check_integrity()
 
 
+@pytest.mark.parametrize("kind", ["dir", "fifo"])
+def test_a_read_refuses_what_is_not_a_regular_file_even_at_the_entry_size(tmp_path, kind, caplog):
+    """The fstat check, not the size check, refuses it: a directory under an entry name, read with a payload
+    length that makes its st_size the entry's, is still dropped and counted (not read as "missing" and kept), and
+    a FIFO is refused as not a regular file."""
+    tier = DiskTier(tmp_path / "kv", COMPAT, 1 << 20)
+    tier.write(key(0), payload(0))
+    path = tier._path(key(0))
+    path.unlink()
+    if kind == "dir":
+        path.mkdir()
+        for i in range(1000):  # a file system whose dirs start small (tmpfs, btrfs) grows them by name
+            if path.stat().st_size > HEADER.size:
+                break
+            (path / f"{i:0200d}").touch()
+        n = path.stat().st_size - HEADER.size
+    else:
+        os.mkfifo(path, 0o600)
+        n = 64
+    with caplog.at_level(logging.WARNING, logger=offload_disk.__name__):
+        (status,) = promptly(lambda: read(tier, key(0), n)[0])
+    assert status == "corrupt" and tier.corrupt == 1 and not tier.contains(key(0))
+    assert "not a regular file" in caplog.text
+    tier.check_integrity()
+
+
 def test_start_up_removes_special_files_and_adopts_only_regular_entries(tmp_path):
     tier = DiskTier(tmp_path / "kv", COMPAT, 1 << 20)
     for i in range(3):

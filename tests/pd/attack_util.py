@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -48,6 +50,32 @@ def resign(params: dict, keys: MeshKeys, **changes) -> dict:
     """`params` changed and signed again with `keys` (PUBLIC: what anyone can compute without the secret)."""
     typed = parse_transfer_params(params, ParamLimits(len(params["remote_block_ids"]), 64, 512))
     return replace(typed, **changes).signed(keys.params).to_json()
+
+
+COUNTERS = {
+    "refused": "kv_transfer_params_refused_total",
+    "failures": "kv_transfer_failures",
+    "reads": "kv_transfer_reads",
+}
+LEASE_S = 3  # the prefill's kv_lease_s (pd_util.server): params older than this may name blocks already freed
+
+
+def one_request(d, issue: Callable[[], dict], send: Callable[[dict], dict], **want: int) -> tuple[dict, dict]:
+    """Issue params (`issue`: the prefill's, then any forgery), send them to decoder `d` (`send`), and return the
+    output and the decoder's counter deltas for that one request (refused params, failed loads, reads: COUNTERS).
+    While the deltas are not `want` and the request ended more than LEASE_S after the params were issued (a loaded
+    machine: the lease may have lapsed, or the params expired, before the decoder used them), it goes again with
+    fresh params, for up to two minutes. A request on time is never retried: a wrong outcome then is the caller's
+    failure, whatever the load."""
+    want = {k: want.get(k, 0) for k in COUNTERS}
+    deadline = time.monotonic() + 120
+    while True:
+        before, issued = stats(d), time.monotonic()
+        out = send(issue())
+        after = stats(d)
+        delta = {k: int(after[name] - before[name]) for k, name in COUNTERS.items()}
+        if delta == want or time.monotonic() - issued <= LEASE_S or time.monotonic() > deadline:
+            return out, delta
 
 
 def through_proxy(x, prompts: list[str], single: dict) -> None:

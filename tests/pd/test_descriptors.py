@@ -171,3 +171,38 @@ def test_state_regions_that_do_not_tile_a_block_are_refused():
     huge = (start, (1 << 64) - 1 - width, (1 << 64) - 1 - width, width)  # addresses past 2**64 at block 1
     assert not Placement(p.layers, (huge, *rest)).tiles(s, n, 8)
     assert p.fits(n) and not Placement({0: ((1 << 64) - 8, 8)}).fits(n)
+
+
+def hand_state_address(p, base: int, block: int, k: int) -> int:
+    """Byte k of state page `block`, from the plan's numbers alone: packed, one buffer of S-byte blocks; per-layer,
+    buffer i holds its slice of every block (buffer_sizes[i] / num_blocks bytes each), slices in buffer order."""
+    if p.layout == "packed":
+        return base + block * p.bytes_per_block + k
+    start = 0
+    for i, size in enumerate(p.buffer_sizes):
+        width = size // p.num_blocks
+        if k < start + width:
+            return base + (i << 32) + block * width + k - start
+        start += width
+    raise AssertionError(f"byte {k} past the block")
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs"), [("per-layer", "per-layer"), ("packed", "per-layer"), ("per-layer", "packed")]
+)
+def test_state_page_descriptors_address_each_buffer_by_hand(mine, theirs):
+    """Qwen3.5-0.8B per-layer keeps a state page in three buffers of 32 KiB slices: every descriptor byte must be
+    where `hand_state_address` (plan numbers, not Placement) puts it, so a region based at another buffer fails."""
+    local_plan, remote_plan = hybrid_plan(mine, "qwen3.5-0.8b"), hybrid_plan(theirs, "qwen3.5-0.8b")
+    assert len(hybrid_plan("per-layer", "qwen3.5-0.8b").buffer_sizes) == 3
+    here, there = placement(local_plan, 1 << 40), placement(remote_plan, 1 << 44)
+    s = local_plan.bytes_per_block
+    cuts = sorted({0, s} | {c for p in (local_plan, remote_plan) for c in range(0, s, s // len(p.buffer_sizes))})
+    d = pair_descriptors(local_plan, here, there, [(local_plan.state.group, 3, 7)])
+    k = 0
+    for la, ra, n in zip(d.local[:, 0].tolist(), d.remote[:, 0].tolist(), d.local[:, 1].tolist(), strict=True):
+        for c in [k, *(c for c in cuts if k < c < k + n)]:  # the start and every place a buffer may change
+            want = hand_state_address(local_plan, 1 << 40, 3, c), hand_state_address(remote_plan, 1 << 44, 7, c)
+            assert (la + c - k, ra + c - k) == want, (mine, theirs, c)
+        k += n
+    assert k == s

@@ -127,3 +127,18 @@ def test_tracked_leases_are_renewed_while_idle_and_idle_workers_end(good, monkey
         io.stop()
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_release_reports_whether_the_lease_was_still_held(held: bool):
+    """The RELEASE result carries the peer's `held` verbatim: a lease gone at release must not read as ok."""
+    s = SideChannelServer("127.0.0.1", 0, lambda msg: {"ok": True, "held": held}, KEYS)
+    try:
+        io = PeerIO(lambda: None, KEYS, renew_every_s=60)
+        io.track("r", target(s.port))
+        io.release_tracked("r", report=True)
+        results = wait_for(io, 1, 5.0)
+        assert [(r.kind, r.key, r.ok, r.error) for r in results] == [(ResultKind.RELEASE, "r", held, None)]
+        io.stop()
+    finally:
+        s.close()

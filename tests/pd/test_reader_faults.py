@@ -201,3 +201,26 @@ def test_the_transfer_clock_counts_from_submission():
         r.poll(ConnectorEvents())
     assert transport.reads == 1 and r.stats["kv_transfer_reads"] == 1
     assert r.stats["kv_transfer_seconds"] >= 0.05
+
+
+def test_a_read_whose_lease_ended_before_release_is_not_reported_loaded():
+    """The read completed, but the release reply says the lease was gone: the prefill instance may have reused
+    those blocks mid-read, so the load fails (the request recomputes) instead of trusting freed KV."""
+    transport, io = FakeTransport("DONE", refusals=0), FakeIO()
+    r = reader(transport, io, timeout_s=60.0)
+    start(r)
+    r.poll(ConnectorEvents())  # confirmed, read started
+    r.poll(ConnectorEvents())  # read done: release asked for, with a report
+    assert transport.reads == 1 and io.released == [("r-1", True)]
+    io.posted.append(PeerResult(ResultKind.RELEASE, "r-1", False))  # the lease had expired at release
+    events = ConnectorEvents()
+    r.poll(events)
+    assert events.loaded == {"r-1": False} and "lease ended" in events.errors["r-1"]
+    assert r.stats["kv_transfer_failures"] == 1 and not r.loads
+    start(r)  # the same read with the lease held to the end is trusted
+    r.poll(ConnectorEvents())
+    r.poll(ConnectorEvents())
+    io.posted.append(PeerResult(ResultKind.RELEASE, "r-1", True))
+    events = ConnectorEvents()
+    r.poll(events)
+    assert events.loaded == {"r-1": True} and not events.errors and r.stats["kv_transfer_failures"] == 1

@@ -167,3 +167,43 @@ def test_banned_tokens_stay_out_whatever_top_k_keeps(monkeypatch):
     sample(LOGITS[None].clone(), [params], [torch.Generator().manual_seed(0)], banned=[[1, 6]])
     (probs,) = seen
     assert probs[1] == 0 and probs[6] == 0 and int((probs > 0).sum()) == 8
+
+
+class Allowed:
+    """A structured-output constraint that allows a fixed set of token ids."""
+
+    def __init__(self, ids: set[int], vocab: int) -> None:
+        self.ids, self.vocab = ids, vocab
+
+    def allows(self, token_id: int) -> bool:
+        return token_id in self.ids
+
+    def mask(self) -> torch.Tensor:
+        return torch.tensor([i in self.ids for i in range(self.vocab)])
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.9), (-1, 0.9), (2, 1.0)])
+def test_a_constrained_top_p_or_top_k_row_draws_from_the_masked_filtered_row(monkeypatch, top_k, top_p):
+    """Allowed 0 (p 0.45) and 2 (0.04), forbidden 1 (0.44) and the rest: top-p 0.9 of the masked row keeps only
+    0 (0.45 / 0.49 >= 0.9), while the unmasked row's nucleus also holds 2. So a draw-then-check (meant for rows at a
+    temperature alone) would sometimes return 2. With top-k 2 the unmasked top two are 0 and 1, the masked 0 and 2.
+    Every distribution drawn from must be the masked, filtered one."""
+    probs = torch.tensor([0.45, 0.44, 0.04] + [0.07 / 5] * 5)
+    constraint = Allowed({0, 2}, len(probs))
+    seen: list[torch.Tensor] = []
+    draw = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda p, *a, **kw: seen.append(p.clone()) or draw(p, *a, **kw))
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+    g = torch.Generator().manual_seed(0)
+    n = 200
+    tokens = sample(
+        probs.log().expand(n, -1).clone(), [params] * n, [g] * n, constraints=dict.fromkeys(range(n), constraint)
+    )
+    masked = probs.log().masked_fill(~constraint.mask(), float("-inf"))
+    expected = reference(masked, 1.0, top_k, top_p)
+    assert set(expected) == ({0} if top_p < 1 else {0, 2})  # the hand-worked sets above
+    assert len(seen) == n
+    for p in seen:
+        p = p.double() / p.double().sum()
+        assert_same_distribution({i: float(v) for i, v in enumerate(p) if v > 0}, expected)
+    assert set(tokens) <= set(expected)

@@ -9,7 +9,9 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -110,19 +112,39 @@ with httpx.Client(timeout=5) as client:
     while not os.path.exists(stop):
         start = time.monotonic()
         assert client.get(url + "/health").status_code == 200
-        print(time.monotonic() - start, flush=True)
+        print(start, time.monotonic() - start, flush=True)
         time.sleep(0.01)
 """
 
 
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
 def test_a_huge_body_is_refused_while_health_answers_and_memory_comes_back(server, tmp_path):
-    """/health is probed from another process (the sender's own GIL must not be measured)."""
+    """/health is probed from another process (the sender's own GIL must not be measured), which reports each
+    probe's start (CLOCK_MONOTONIC, shared by processes) and latency. No timed window: the bodies go once the
+    prober has answered probes, it stops once a probe started after them, and every probe that overlapped
+    the sending, or came after it, must have answered within 100 ms."""
     big = b'{"prompt": "' + b"x" * (50 << 20) + b'"}'
     before = rss(server.proc.pid)
     stop = tmp_path / "stop"
     prober = subprocess.Popen([sys.executable, "-c", PROBE, server.url, str(stop)], stdout=subprocess.PIPE, text=True)
+    samples: list[tuple[float, float]] = []  # (start, latency) of each probe
+
+    def read() -> None:
+        for line in prober.stdout:
+            start, latency = map(float, line.split())
+            samples.append((start, latency))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        time.sleep(0.5)
+        wait_until(lambda: len(samples) >= 10 or prober.poll() is not None, 60, "the prober's first probes")
+        sent = time.monotonic()
         r = post(server.url, big, timeout=120)  # with a Content-Length: refused before it is read
         assert r.status_code == 413 and "at most 1048576" in r.text
 
@@ -136,12 +158,15 @@ def test_a_huge_body_is_refused_while_health_answers_and_memory_comes_back(serve
             assert r.status_code == 413
         except httpx.TransportError:
             pass  # the server answered 413 and closed while we were still sending: refused too
-        time.sleep(0.3)
+        done = time.monotonic()
+        wait_until(lambda: any(s > done for s, _ in samples) or prober.poll() is not None, 60, "a probe after")
     finally:
         stop.touch()
-        out, _ = prober.communicate(timeout=30)
-    latencies = [float(x) for x in out.split()]
-    assert len(latencies) > 10 and max(latencies) < 0.1, sorted(latencies)[-5:]
+        prober.wait(timeout=30)
+        reader.join(timeout=30)
+    assert prober.returncode == 0 and len(samples) > 10 and any(s > done for s, _ in samples)
+    during = [lat for s, lat in samples if s + lat >= sent]  # overlapping the sending, or after it
+    assert during and max(during) < 0.1, sorted(during)[-5:]
     assert rss(server.proc.pid) < before * 1.1 + 4096  # KiB
     assert texts(server.url, NORMAL[:1])
 
