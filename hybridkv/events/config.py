@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hybridkv.connectors.pd.params import is_loopback  # a name or an interface is not: it may leave
 from hybridkv.json_config import json_object
 
 PUBLISHERS = ("null", "zmq")
@@ -27,15 +27,6 @@ def tcp_host(endpoint: str) -> str | None:
     if not endpoint.startswith("tcp://"):
         return None
     return endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name or an interface: it may leave this host
 
 
 def _local(endpoint: str) -> str:
