@@ -111,16 +111,22 @@ def lm_eval_server_accuracy(
     return results["results"][TASK]["exact_match,none"]
 
 
-def chat_prompts(folder: Path, items: list[dict], num_fewshot: int, pool: Path | None) -> list[str]:
-    """Each item as the model's chat template renders it after `num_fewshot` shots, drawn from `pool` (default:
-    kv_recall's seeded pool) by a generator seeded with the item's index: the same shots on every run."""
+def chat_prompts(folder: Path, items: list[dict], num_fewshot: int, pool: Path | None) -> list[list[int]]:
+    """Each item's token ids as the model's chat template renders it after `num_fewshot` shots, drawn from `pool`
+    (default: kv_recall's seeded pool) by a generator seeded with the item's index: the same shots on every run.
+    The template spells its special tokens, so none are added (as `apply_chat_template(tokenize=True)`)."""
+    from hybridkv.engine.tokenizer import Tokenizer
     from hybridkv.serve.chat import render_chat
     from hybridkv.tasks import kv_recall
 
     shots = kv_recall.read_jsonl(pool) if pool else kv_recall.fewshot_pool()
     if num_fewshot > len(shots):
         raise ValueError(f"--num-fewshot {num_fewshot} but the pool ({pool or 'seeded'}) holds {len(shots)} shots")
+    tokenizer = Tokenizer(folder)
     return [
-        render_chat(str(folder), kv_recall.fewshot_messages(it, random.Random(i).sample(shots, num_fewshot)))
+        tokenizer.encode(
+            render_chat(str(folder), kv_recall.fewshot_messages(it, random.Random(i).sample(shots, num_fewshot))),
+            add_special_tokens=False,
+        )
         for i, it in enumerate(items)
     ]

@@ -130,11 +130,11 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer: pass prompts as token id lists")
-            return self.tokenizer.encode_within(prompt, self.max_model_len)
+            return self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens)
         return list(prompt)
 
     @property

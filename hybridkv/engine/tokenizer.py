@@ -24,10 +24,12 @@ class Tokenizer:
         may fit more; such a text is refused, never tokenized)."""
         return num_tokens * self.max_token_chars
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens`: the tokenizer's own (a BOS, say); False for text that already spells them, as a
+        rendered chat template does."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_within(self, text: str, max_model_len: int) -> list[int]:
+    def encode_within(self, text: str, max_model_len: int, add_special_tokens: bool = True) -> list[int]:
         """`encode`, for a prompt that may fit `max_model_len`: a text too long to fit is a ValueError, without
         being tokenized."""
         bound = self.max_chars(max_model_len - 1)
@@ -36,7 +38,7 @@ class Tokenizer:
                 f"the prompt has {len(text)} characters; max_model_len is {max_model_len} tokens, which with this "
                 f"tokenizer (longest token: {self.max_token_chars} characters) hold at most {bound}: shorten it"
             )
-        return self.encode(text)
+        return self.encode(text, add_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from hybridkv.connectors.base import TransferRefused
 from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.serve.async_engine import AsyncEngine
-from hybridkv.serve.chat import chat_text
+from hybridkv.serve.chat import chat_ids
 from hybridkv.serve.compile_pool import CompileBusy
 from hybridkv.serve.guards import error_response, guard, off_loop, require_json, tenant_salt
 from hybridkv.serve.info_routes import add_info_routes, check_model
@@ -148,7 +148,7 @@ def build_app(
     async def chat(request: Request):
         req = await require_json(request, ChatRequest)
         check_model(req.model, model_name)
-        ids = await prompt_ids(await chat_text(engine, limits, req.messages))
+        ids = await prompt_ids(await chat_ids(engine, limits, req.messages))
         asked = req.max_tokens is not None or req.max_completion_tokens is not None
         params = within_context(await sampling_params(request, req), len(ids), asked)
         constraint = await compile_constraint(params)

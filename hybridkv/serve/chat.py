@@ -46,3 +46,13 @@ async def chat_text(engine: AsyncEngine, limits: RequestLimits, messages: list[C
     dumped = [m.model_dump() for m in messages]
     checked(limits.check_chat, [m["content"] for m in dumped], param="messages")
     return await asyncio.to_thread(render_chat, engine.engine.config.model, dumped)
+
+
+async def chat_ids(engine: AsyncEngine, limits: RequestLimits, messages: list[ChatMessage]) -> list[int]:
+    """The chat's token ids as transformers' `apply_chat_template(tokenize=True)` gives them: the template spells
+    every special token it wants (a BOS among them), so its text is tokenized without adding any."""
+    text = await chat_text(engine, limits, messages)
+    try:
+        return await asyncio.to_thread(engine.engine.tokenize, text, False)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from e

@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, StrictInt
 
 from hybridkv.serve.async_engine import AsyncEngine
-from hybridkv.serve.chat import chat_text
+from hybridkv.serve.chat import chat_ids
 from hybridkv.serve.guards import require_json
 from hybridkv.serve.limits import RequestLimits
 from hybridkv.serve.protocol import STRICT, APIError, ChatMessage
@@ -70,11 +70,13 @@ def add_info_routes(
         check_model(req.model, model_name)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
-        text = req.prompt if req.messages is None else await chat_text(engine, limits, req.messages)
-        try:
-            ids = await asyncio.to_thread(engine.engine.tokenize, text)
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from e
+        if req.messages is not None:
+            ids = await chat_ids(engine, limits, req.messages)
+        else:
+            try:
+                ids = await asyncio.to_thread(engine.engine.tokenize, req.prompt)
+            except ValueError as e:
+                raise APIError(400, str(e), param="prompt") from e
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

@@ -24,3 +24,84 @@ def test_template_file_config_string_named_list_and_fallback(tmp_path):
     assert render_chat(str(config), MESSAGES) == "<Q: what is mat?>"
     assert render_chat(str(named), MESSAGES) == "<s>hi"
     assert render_chat(str(plain), MESSAGES) == "user: Q: what is mat?\nassistant:"
+
+
+# Templates in the shapes models ship: each spells its own special tokens, two of them a BOS.
+TEMPLATES = {
+    "embedded": None,
+    "llama3": "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
+    "<|end_header_id|>\n\n{% endif %}",
+    "gemma": "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
+    "else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}"
+    "<start_of_turn>model\n{% endif %}",
+    "chatml": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "qwen": "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+}
+CHAT = [
+    {"role": "user", "content": "Q: what is mat?"},
+    {"role": "assistant", "content": "a rug"},
+    {"role": "user", "content": "and cat?"},
+]
+BOS = 2  # the embedded tokenizer's <bos>
+
+
+def template_folder(tmp_path, name: str):
+    """The embedded model's tokenizer files with one of TEMPLATES as its chat template."""
+    import shutil
+
+    if TEMPLATES[name] is None:
+        return DEFAULT_MODEL_DIR
+    folder = tmp_path / name
+    folder.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / f, folder / f)
+    (folder / "chat_template.jinja").write_text(TEMPLATES[name])
+    return folder
+
+
+def hf_chat_ids(folder) -> list[int]:
+    transformers = __import__("pytest").importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ids = tok.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def test_chat_token_ids_equal_transformers_for_five_templates(tmp_path):
+    from hybridkv.engine.tokenizer import Tokenizer
+
+    for name in TEMPLATES:
+        folder = template_folder(tmp_path, name)
+        ours = Tokenizer(folder).encode(render_chat(str(folder), CHAT), add_special_tokens=False)
+        expected = hf_chat_ids(folder)
+        assert ours == expected, name
+        assert ours.count(BOS) == (1 if "bos_token" in (TEMPLATES[name] or "") else 0), name
+
+
+def test_a_served_chat_holds_the_bos_exactly_once(tmp_path):
+    """Through a real server: /tokenize of messages and a chat's prompt_tokens equal transformers' ids, for a
+    template that writes `{{ bos_token }}` itself (the tokenizer would add a second one)."""
+    import httpx
+
+    from tests.serve.conftest import start_server
+
+    folder = template_folder(tmp_path, "llama3")
+    for f in ("config.json", "generation_config.json", "model.safetensors"):
+        (folder / f).symlink_to(DEFAULT_MODEL_DIR / f)
+    expected = hf_chat_ids(folder)
+    assert expected[0] == BOS and expected.count(BOS) == 1
+    server = start_server(folder)
+    url = next(server)
+    try:
+        tokens = httpx.post(f"{url}/tokenize", json={"messages": CHAT}).json()["tokens"]
+        body = {"model": "tiny", "messages": CHAT, "max_tokens": 1, "temperature": 0}
+        usage = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+        prompt_tokens = httpx.post(f"{url}/tokenize", json={"prompt": "and cat?"}).json()["tokens"]
+    finally:
+        server.close()
+    assert tokens == expected
+    assert usage["prompt_tokens"] == len(expected)
+    assert prompt_tokens[0] == BOS  # a plain prompt still gets the tokenizer's own BOS, as in vLLM
