@@ -66,7 +66,7 @@ class BearerAuth:
         # A tenant's name in cache salts: a digest of its key (the key itself never enters a hash or a log).
         self.tenants = [hashlib.sha256(b"hybridkv/tenant/" + key.encode()).hexdigest()[:32] for key in api_keys]
         self.salt = salt and len(api_keys) > 1
-        self.open_paths = frozenset(("/health",) if protect_metrics else ("/health", "/metrics"))
+        self.open_paths = frozenset(("/health", "/ping") if protect_metrics else ("/health", "/ping", "/metrics"))
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:

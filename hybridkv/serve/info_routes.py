@@ -51,6 +51,11 @@ def add_info_routes(
             return JSONResponse({"status": "unhealthy", "dead_threads": dead}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> JSONResponse:
+        """vLLM's (SageMaker's) liveness route: /health's answer."""
+        return await health()
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [card]}

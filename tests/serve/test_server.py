@@ -34,6 +34,7 @@ def prefix_hit_tokens(m: dict[str, float]) -> float:
 
 def test_health_and_models(url):
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/ping").json() == httpx.post(f"{url}/ping").json() == {"status": "ok"}
     assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny"]
 
 
@@ -162,7 +163,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(url):
 
 def test_api_key_guards_every_route_but_health(folder):
     for url in start_server(folder, "--api-key", "s3cret"):
-        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/health").status_code == httpx.get(f"{url}/ping").status_code == 200
         assert httpx.get(f"{url}/v1/models").status_code == 401
         ok = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer s3cret"})
         assert ok.status_code == 200
