@@ -48,6 +48,10 @@ def serve(
             "model and max_model_len (at least 1 MiB; the start-up log says how large)",
         ),
     ] = None,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(help="a chat template file, or the template inline, in place of the model's (as vLLM's flag)"),
+    ] = None,
     dtype: Annotated[str, typer.Option()] = "float32",
     kv_layout: Annotated[str, typer.Option(help=" | ".join(KV_LAYOUTS))] = "auto",
     kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget, e.g. 1GiB")] = "1GiB",
@@ -146,8 +150,12 @@ def serve(
     for line in startup_lines(engine, name):
         log.info("%s", line)
     async_engine = AsyncEngine(engine, name)
-    app = build_app(async_engine, name, api_key, enable_admin, host, max_request_bytes, api_key_metrics,
-                    salt_by_api_key, hide_prefix_cache_metrics)  # fmt: skip
+    try:
+        app = build_app(async_engine, name, api_key, enable_admin, host, max_request_bytes, api_key_metrics,
+                        salt_by_api_key, hide_prefix_cache_metrics, chat_template)  # fmt: skip
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
     limits = app.state.limits
     log.info("requests: bodies up to %d bytes; prompt texts over %d characters are refused before tokenizing",
              limits.max_request_bytes, limits.max_prompt_chars)  # fmt: skip

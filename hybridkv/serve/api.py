@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from hybridkv.connectors.base import TransferRefused
 from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.serve.async_engine import AsyncEngine
-from hybridkv.serve.chat import chat_ids
+from hybridkv.serve.chat import ChatRenderer, chat_ids
 from hybridkv.serve.compile_pool import CompileBusy
 from hybridkv.serve.guards import error_response, guard, off_loop, require_json, tenant_salt
 from hybridkv.serve.info_routes import add_info_routes, check_model
@@ -43,14 +43,17 @@ def build_app(
     api_key_metrics: bool = False,
     salt_by_api_key: bool = True,
     hide_prefix_cache_metrics: bool = False,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """`api_key`: one key or several (each a tenant: with several, each gets its own prefix cache unless
     `salt_by_api_key` is off); `bind_host`: the address the server listens on (a loopback one turns the Host check
     on); `max_request_bytes`: None derives it from the model (serve/limits.py); `api_key_metrics`: /metrics needs
     an API key too (by default scrapers read it without one, as in vLLM); `hide_prefix_cache_metrics`: /metrics
-    leaves out the counters that tell a reader whether a prompt hit a cache."""
+    leaves out the counters that tell a reader whether a prompt hit a cache; `chat_template`: a file or inline
+    Jinja text that replaces the model's (a ValueError here when it does not parse)."""
     app = FastAPI(title="hybridkv")
     limits = app.state.limits = request_limits(engine, max_request_bytes)
+    renderer = app.state.chat = ChatRenderer.load(engine.engine.config.model, chat_template)
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     guard(app, keys, bind_host, limits.max_request_bytes, api_key_metrics, salt_by_api_key)
     engine.metrics.hide_prefix_hits = hide_prefix_cache_metrics
@@ -148,7 +151,7 @@ def build_app(
     async def chat(request: Request):
         req = await require_json(request, ChatRequest)
         check_model(req.model, model_name)
-        ids = await prompt_ids(await chat_ids(engine, limits, req.messages))
+        ids = await prompt_ids(await chat_ids(engine, limits, renderer, req.messages))
         asked = req.max_tokens is not None or req.max_completion_tokens is not None
         params = within_context(await sampling_params(request, req), len(ids), asked)
         constraint = await compile_constraint(params)

@@ -1,13 +1,14 @@
 """Chat prompts: the tokenizer's own chat template when it has one (chat_template.jinja, as transformers saves it,
-or tokenizer_config.json's `chat_template`), else a plain one."""
+or tokenizer_config.json's `chat_template`), one given with `--chat-template`, else a plain one."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hybridkv.serve.limits import RequestLimits, checked
 from hybridkv.serve.protocol import APIError, ChatMessage
@@ -28,30 +29,71 @@ def _template(model_dir: str) -> tuple[str | None, dict]:
     return (template if isinstance(template, str) else None), specials
 
 
-def render_chat(model_dir: str, messages: list[dict[str, str]]) -> str:
-    template, specials = _template(model_dir)
-    if template is None:
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-    try:
-        import jinja2
-    except ImportError as e:  # pragma: no cover - jinja2 ships with the serving extra
-        raise APIError(500, "this model has a chat template but jinja2 is not installed", "server_error") from e
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template).render(messages=messages, add_generation_prompt=True, **specials)
+def template_text(value: str) -> str:
+    """`--chat-template`'s value: a file's text, or the value itself when it is an inline Jinja template."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor an inline Jinja template: give either")
 
 
-async def chat_text(engine: AsyncEngine, limits: RequestLimits, messages: list[ChatMessage]) -> str:
+@dataclass(frozen=True)
+class ChatRenderer:
+    """Renders a chat to the text the model was trained on: `template` None means the plain fallback."""
+
+    template: Any  # a compiled jinja2 Template, or None
+    specials: dict
+
+    @staticmethod
+    def load(model_dir: str, override: str | None = None) -> ChatRenderer:
+        """The model's template, or `override` (`template_text`); a template that does not parse is a ValueError
+        here, at start-up, not at a client's request."""
+        source, specials = _template(model_dir)
+        source = template_text(override) if override is not None else source
+        if source is None:
+            return ChatRenderer(None, specials)
+        try:
+            import jinja2
+        except ImportError as e:  # pragma: no cover - jinja2 ships with the serving extra
+            raise ValueError("this model has a chat template but jinja2 is not installed: pip install jinja2") from e
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        try:
+            return ChatRenderer(env.from_string(source), specials)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"the chat template does not parse (line {e.lineno}): {e.message}") from e
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        if self.template is None:
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self.template.render(messages=messages, add_generation_prompt=True, **self.specials)
+
+
+@cache
+def _model_renderer(model_dir: str) -> ChatRenderer:
+    return ChatRenderer.load(model_dir)
+
+
+def render_chat(model_dir: str, messages: list[dict[str, Any]]) -> str:
+    """`messages` through the model folder's own template (or the plain one)."""
+    return _model_renderer(model_dir).render(messages)
+
+
+async def chat_text(limits: RequestLimits, chat: ChatRenderer, messages: list[ChatMessage]) -> str:
     """The chat rendered through the model's template, off the event loop; a chat whose messages alone are
     longer than any prompt that fits is refused before it renders."""
     dumped = [m.model_dump() for m in messages]
     checked(limits.check_chat, [m["content"] for m in dumped], param="messages")
-    return await asyncio.to_thread(render_chat, engine.engine.config.model, dumped)
+    return await asyncio.to_thread(chat.render, dumped)
 
 
-async def chat_ids(engine: AsyncEngine, limits: RequestLimits, messages: list[ChatMessage]) -> list[int]:
+async def chat_ids(
+    engine: AsyncEngine, limits: RequestLimits, chat: ChatRenderer, messages: list[ChatMessage]
+) -> list[int]:
     """The chat's token ids as transformers' `apply_chat_template(tokenize=True)` gives them: the template spells
     every special token it wants (a BOS among them), so its text is tokenized without adding any."""
-    text = await chat_text(engine, limits, messages)
+    text = await chat_text(limits, chat, messages)
     try:
         return await asyncio.to_thread(engine.engine.tokenize, text, False)
     except ValueError as e:

@@ -76,7 +76,7 @@ def add_info_routes(
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         if req.messages is not None:
-            ids = await chat_ids(engine, limits, req.messages)
+            ids = await chat_ids(engine, limits, app.state.chat, req.messages)
         else:
             try:
                 ids = await asyncio.to_thread(engine.engine.tokenize, req.prompt)

@@ -105,3 +105,48 @@ def test_a_served_chat_holds_the_bos_exactly_once(tmp_path):
     assert tokens == expected
     assert usage["prompt_tokens"] == len(expected)
     assert prompt_tokens[0] == BOS  # a plain prompt still gets the tokenizer's own BOS, as in vLLM
+
+
+def test_chat_template_flag_takes_a_file_or_inline_text_and_refuses_anything_else(tmp_path):
+    import pytest
+
+    from hybridkv.serve.chat import ChatRenderer
+
+    file = tmp_path / "t.jinja"
+    file.write_text(TEMPLATES["chatml"])
+    for value in (str(file), TEMPLATES["chatml"]):
+        assert ChatRenderer.load(str(DEFAULT_MODEL_DIR), value).render(MESSAGES) == (
+            "<|im_start|>user\nQ: what is mat?<|im_end|>\n<|im_start|>assistant\n"
+        )
+    with pytest.raises(ValueError, match="neither a file nor an inline Jinja template"):
+        ChatRenderer.load(str(DEFAULT_MODEL_DIR), str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not parse"):
+        ChatRenderer.load(str(DEFAULT_MODEL_DIR), "{% for m in messages %}")
+
+
+def test_a_served_chat_template_flag_replaces_the_models(tmp_path):
+    """`hybridkv serve --chat-template FILE`: chats are the token ids transformers gives a folder holding that
+    template; a template that does not parse stops the server at start with exit 2."""
+    import subprocess
+
+    import httpx
+
+    from tests.serve.conftest import ENGINE_ARGS, start_server
+
+    expected = hf_chat_ids(template_folder(tmp_path, "gemma"))
+    file = tmp_path / "gemma.jinja"
+    file.write_text(TEMPLATES["gemma"])
+    server = start_server(DEFAULT_MODEL_DIR, "--chat-template", str(file))
+    url = next(server)
+    try:
+        tokens = httpx.post(f"{url}/tokenize", json={"messages": CHAT}).json()["tokens"]
+    finally:
+        server.close()
+    assert tokens == expected
+    bad = subprocess.run(
+        ["hybridkv", "serve", "--port", "0", *ENGINE_ARGS, "--chat-template", "{% if %}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "chat template does not parse" in bad.stderr
