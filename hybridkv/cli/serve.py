@@ -7,10 +7,23 @@ from typing import Annotated
 import typer
 
 from hybridkv.cli.options import BatchInvariant, MambaSsmCacheDtype
+from hybridkv.cli.vllm_flags import (
+    BlockSize,
+    EnableChunkedPrefill,
+    EnablePrefixCaching,
+    EnforceEager,
+    MaxNumBatchedTokens,
+    ModelArgument,
+    TensorParallelSize,
+    TrustRemoteCode,
+    check_vllm_flags,
+    resolve_model,
+)
 from hybridkv.kv.layout import KV_LAYOUTS
 
 
 def serve(
+    model_argument: ModelArgument = None,
     model: Annotated[str | None, typer.Option(help="model folder (default: the embedded model)")] = None,
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
@@ -57,6 +70,13 @@ def serve(
     kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget, e.g. 1GiB")] = "1GiB",
     max_model_len: Annotated[int | None, typer.Option()] = None,
     max_num_seqs: Annotated[int, typer.Option(min=1)] = 128,
+    block_size: BlockSize = 16,
+    max_num_batched_tokens: MaxNumBatchedTokens = 2048,
+    enable_prefix_caching: EnablePrefixCaching = True,
+    tensor_parallel_size: TensorParallelSize = 1,
+    enforce_eager: EnforceEager = False,
+    trust_remote_code: TrustRemoteCode = False,
+    enable_chunked_prefill: EnableChunkedPrefill = True,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads")] = None,
     kv_transfer_config: Annotated[
         str | None,
@@ -121,8 +141,9 @@ def serve(
     # The engine thread and the HTTP event loop share the GIL: hand it over every 0.5 ms (default 5 ms) so
     # streamed tokens leave while the next step runs.
     sys.setswitchinterval(0.0005)
-    folder = model or str(DEFAULT_MODEL_DIR)
     try:
+        folder = resolve_model(model_argument, model) or str(DEFAULT_MODEL_DIR)
+        check_vllm_flags(tensor_parallel_size, enable_chunked_prefill)
         config = EngineConfig(
             model=folder,
             dtype=dtype,
@@ -130,6 +151,9 @@ def serve(
             kv_cache_memory=kv_cache_memory,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
             kv_transfer_config=kv_transfer_config,
             kv_offload_cpu=kv_offload_cpu,
             kv_offload_disk=kv_offload_disk,

@@ -1,0 +1,57 @@
+"""`vllm serve` habits: the positional model, flags that mean here what they mean in vLLM (block size, the step's
+token budget, prefix caching), flags accepted as no-ops (there is nothing to switch), and flags refused with
+what to do instead. README's flag table lists them."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+import typer
+
+log = logging.getLogger("hybridkv.serve")
+
+ModelArgument = Annotated[
+    str | None,
+    typer.Argument(metavar="MODEL", help="model folder, as `vllm serve MODEL` (or --model)", show_default=False),
+]
+BlockSize = Annotated[int, typer.Option(min=1, help="tokens per KV cache block")]
+MaxNumBatchedTokens = Annotated[
+    int, typer.Option(min=1, help="tokens one engine step computes at most (prefill chunks share it)")
+]
+EnablePrefixCaching = Annotated[
+    bool,
+    typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="reuse cached blocks of equal prefixes"),
+]
+TensorParallelSize = Annotated[
+    int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="1 only: hybridkv has no tensor parallelism")
+]
+EnforceEager = Annotated[bool, typer.Option(help="accepted, no effect: hybridkv always runs eagerly")]
+TrustRemoteCode = Annotated[
+    bool, typer.Option(help="accepted, no effect: hybridkv never runs code from a model folder")
+]
+EnableChunkedPrefill = Annotated[
+    bool,
+    typer.Option(
+        "--enable-chunked-prefill/--no-enable-chunked-prefill",
+        help="accepted: prefill is always chunked by --max-num-batched-tokens (off only logs a warning)",
+    ),
+]
+
+
+def resolve_model(positional: str | None, option: str | None) -> str | None:
+    """The model folder from `serve MODEL` or `--model`; both, naming different folders, is a ValueError."""
+    if positional is not None and option is not None and positional != option:
+        raise ValueError(f"the model is given twice ({positional!r} and --model {option!r}): give one")
+    return positional if positional is not None else option
+
+
+def check_vllm_flags(tensor_parallel_size: int, enable_chunked_prefill: bool) -> None:
+    """Refuse what cannot be honoured (ValueError saying what to do), warn about what is ignored."""
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            f"--tensor-parallel-size {tensor_parallel_size}: hybridkv has no tensor parallelism yet; "
+            "use -tp 1, or run one instance per device behind the proxy"
+        )
+    if not enable_chunked_prefill:
+        log.warning("--no-enable-chunked-prefill ignored: prefill is always chunked by --max-num-batched-tokens")

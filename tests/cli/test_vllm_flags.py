@@ -1,0 +1,50 @@
+"""`vllm serve` habits (`cli/vllm_flags.py`): the positional model, vLLM's engine flags with vLLM's meanings, the
+no-op flags accepted, tensor parallelism refused with what to do instead."""
+
+import subprocess
+
+import httpx
+import pytest
+
+from hybridkv.cli.vllm_flags import check_vllm_flags, resolve_model
+from hybridkv.engine.config import DEFAULT_MODEL_DIR
+from tests.metrics_util import scrape
+from tests.procs import Process
+
+SMALL = ["--kv-cache-memory", "16MiB", "--max-model-len", "256", "--threads", "1"]
+
+
+def test_the_model_is_positional_or_an_option_but_not_two_folders():
+    assert resolve_model("a", None) == resolve_model(None, "a") == resolve_model("a", "a") == "a"
+    assert resolve_model(None, None) is None
+    with pytest.raises(ValueError, match="given twice"):
+        resolve_model("a", "b")
+    check_vllm_flags(1, True)
+    with pytest.raises(ValueError, match="no tensor parallelism"):
+        check_vllm_flags(2, True)
+
+
+def test_vllm_serve_flags_start_a_server_with_their_meanings():
+    """`hybridkv serve MODEL` with vLLM's flags: the block size reaches the KV plan, and with prefix caching off a
+    repeated prompt computes every token again (no hit)."""
+    server = Process(
+        "serve", str(DEFAULT_MODEL_DIR), *SMALL, "--block-size", "32", "--no-enable-prefix-caching", "-tp", "1",
+        "--enforce-eager", "--trust-remote-code", "--max-num-batched-tokens", "64", "--enable-chunked-prefill",
+    )  # fmt: skip
+    try:
+        body = {"model": DEFAULT_MODEL_DIR.name, "prompt": "the cat sat on the mat " * 8, "max_tokens": 1}
+        for _ in range(2):
+            assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        hits = scrape(server.url)["vllm:prefix_cache_hits_total"]
+        log = server.log.read_text()
+    finally:
+        server.stop()
+    assert "block size 32" in log
+    assert hits == 0
+
+
+def test_tensor_parallelism_and_two_models_are_refused_at_start():
+    for extra in (["-tp", "2"], [str(DEFAULT_MODEL_DIR), "--model", "/elsewhere"]):
+        done = subprocess.run(["hybridkv", "serve", *SMALL, *extra], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, extra
+        assert "tensor parallelism" in done.stderr or "given twice" in done.stderr
