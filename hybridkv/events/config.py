@@ -17,8 +17,9 @@ def _endpoint_error(key: str, value: str) -> str | None:
         return f"kv_events_config.{key} must start with one of {', '.join(SCHEMES)}, got {value!r}"
     if value.startswith("tcp://"):
         port = value.rpartition(":")[2]
-        if ":" not in value[len("tcp://") :] or not port.isdigit() or not 0 < int(port) < 65536:
-            return f"kv_events_config.{key} needs a port in [1, 65535], e.g. tcp://*:5557; got {value!r}"
+        # Port 0: a free port chosen at bind time, named by GET /kv_event_sources (as in vLLM).
+        if ":" not in value[len("tcp://") :] or not port.isdigit() or not 0 <= int(port) < 65536:
+            return f"kv_events_config.{key} needs a port in [0, 65535] (0: a free one, e.g. tcp://*:0); got {value!r}"
     return None
 
 
@@ -93,7 +94,7 @@ class KVEventsConfig:
                     f"kv_events_config.{key} {getattr(self, key)} leaves this host, and the stream carries every "
                     'unsalted prompt\'s token ids: add "allow_remote": true to publish them there'
                 )
-        if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint:
+        if self.replay_endpoint == self.endpoint and not self.endpoint.endswith(":0"):  # two port 0s: two ports
             raise ValueError("kv_events_config.replay_endpoint must differ from endpoint (two sockets, two addresses)")
 
     @property

@@ -74,6 +74,10 @@ class ZmqEventPublisher:
                 self._replay.setsockopt(zmq.RCVHWM, 64)
                 self._replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 1)  # a whole replay fits one client's pipe
                 self._replay.bind(config.bind_endpoint(config.replay_endpoint))
+            # What a router dials (`source`): the addresses as bound (a port 0 resolved), read here because a
+            # socket belongs to one thread and the publisher thread owns these from now on.
+            self._endpoint = _last_endpoint(self._pub) if config.binds else config.endpoint
+            self._replay_endpoint = None if self._replay is None else _last_endpoint(self._replay)
         except zmq.ZMQError as e:
             self._ctx.destroy(linger=0)
             raise ValueError(
@@ -95,6 +99,15 @@ class ZmqEventPublisher:
             if config.exposed
             else " (this host only; salted requests are never published)",
         )
+
+    def source(self) -> dict[str, Any]:
+        """This publisher as vLLM's `GET /kv_event_sources` lists one (a router subscribes from it)."""
+        return {
+            "data_parallel_rank": self._rank,
+            "endpoint": self._endpoint,
+            "replay_endpoint": self._replay_endpoint,
+            "topic": self.config.topic,
+        }
 
     @property
     def last_seq(self) -> int:
@@ -196,3 +209,8 @@ class ZmqEventPublisher:
         else:
             logger.debug("KV events: malformed replay request (%d frames) answered with the end marker", len(frames))
         self._replay.send_multipart((identity, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
+
+
+def _last_endpoint(socket: zmq.Socket) -> str:
+    value = socket.getsockopt(zmq.LAST_ENDPOINT)
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -51,6 +51,13 @@ def add_info_routes(
             return JSONResponse({"status": "unhealthy", "dead_threads": dead}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    @app.get("/kv_event_sources")
+    async def kv_event_sources() -> dict:
+        """vLLM's discovery route for KV-aware routers: where this instance publishes its KV events (none when
+        they are off)."""
+        publisher = engine.engine.kv_publisher
+        return {"sources": [] if publisher is None else [publisher.source()]}
+
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> JSONResponse:
         """vLLM's (SageMaker's) liveness route: /health's answer."""

@@ -218,3 +218,31 @@ def test_the_cpu_offload_tier_reports_its_blocks_with_medium_cpu(ctx):
         assert connector["kv_offload_cpu_to_device_blocks_total"] > 0  # a load from the tier happened
     finally:
         p.stop()
+
+
+def test_kv_event_sources_names_the_sockets_a_router_reads(ctx):
+    """vLLM's discovery route: with ports 0 the publisher binds ephemeral ports on loopback, and GET
+    /kv_event_sources names them; a subscriber that knows nothing else reads live and replayed batches there."""
+    config = {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0",
+              "topic": TOPIC.decode()}  # fmt: skip
+    p = Process("serve", *ENGINE, "--kv-events-config", json.dumps(config), timeout=300)
+    try:
+        (source,) = httpx.get(f"{p.url}/kv_event_sources", timeout=10).json()["sources"]
+        assert source["data_parallel_rank"] == 0 and source["topic"] == TOPIC.decode()
+        ports = []
+        for key in ("endpoint", "replay_endpoint"):
+            host, port = source[key].removeprefix("tcp://").rsplit(":", 1)
+            assert host == "127.0.0.1" and int(port) > 0, source
+            ports.append(int(port))
+        sub = Subscriber(ctx, *ports)
+        complete(p, [list(range(4, 100))])
+        last_seq, _ = reported(p)
+        sub.drain(last_seq)
+        assert sub.fetch_missed() >= 0 and sub.events("BlockStored")
+    finally:
+        p.stop()
+    plain = Process("serve", *ENGINE[:-1])
+    try:
+        assert httpx.get(f"{plain.url}/kv_event_sources", timeout=10).json() == {"sources": []}
+    finally:
+        plain.stop()

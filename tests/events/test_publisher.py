@@ -228,7 +228,7 @@ def test_config_defaults_are_vllms():
         ('{"publisher": "kafka"}', "publisher must be one of null, zmq"),
         ('{"endpoint": "http://x:1"}', "must start with one of tcp://"),
         ('{"endpoint": "tcp://*"}', "needs a port"),
-        ('{"endpoint": "tcp://*:0"}', "needs a port"),
+        ('{"endpoint": "tcp://*:65536"}', "needs a port"),
         ('{"replay_endpoint": 5558}', "must be a string"),
         ('{"buffer_steps": 0}', "buffer_steps must be a positive integer"),
         ('{"hwm": true}', "hwm must be a positive integer"),
