@@ -152,7 +152,7 @@ def test_a_prompt_over_the_character_bound_never_reaches_the_tokenizer(monkeypat
     assert bound == 255 * engine.tokenizer.max_token_chars
     calls = []
     real = engine.tokenizer.encode
-    monkeypatch.setattr(engine.tokenizer, "encode", lambda text: calls.append(len(text)) or real(text))
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, *rest: calls.append(len(text)) or real(text, *rest))
     with pytest.raises(ValueError, match=f"the prompt has {bound + 1} characters; max_model_len is 256"):
         engine.check_prompt("a" * (bound + 1))
     assert calls == []
