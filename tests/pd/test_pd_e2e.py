@@ -181,7 +181,7 @@ def test_decode_dying_mid_wait_leaves_prefill_to_free_on_lease_expiry(embedded):
     body = {"prompt": prompt, "max_tokens": 64, "stream": True, "kv_transfer_params": params}
     with httpx.stream("POST", f"{d.url}/v1/completions", json=body, timeout=60):
         d.kill()
-    assert_clean(p, timeout=6)
+    assert_clean(p, timeout=20)  # the lease is 3 s; a loaded machine sweeps it late
     d.stop()
 
 
