@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from hybridkv.kv.hash_algos import HASH_ALGOS
+
 log = logging.getLogger("hybridkv.serve")
 
 ModelArgument = Annotated[
@@ -22,6 +24,13 @@ MaxNumBatchedTokens = Annotated[
 EnablePrefixCaching = Annotated[
     bool,
     typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="reuse cached blocks of equal prefixes"),
+]
+PrefixCachingHashAlgo = Annotated[
+    str,
+    typer.Option(
+        help=f"block hash algorithm: {' | '.join(HASH_ALGOS)}; vLLM's names give the ids a KV-aware router "
+        "recomputes (set PYTHONHASHSEED on both, as for vLLM)"
+    ),
 ]
 TensorParallelSize = Annotated[
     int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="1 only: hybridkv has no tensor parallelism")

@@ -11,6 +11,8 @@ from hybridkv.connectors.base import KVTransferConfig
 from hybridkv.connectors.offload.config import CONNECTOR_NAME, OffloadConfig, offload_transfer_config
 from hybridkv.engine.chunking import CHECKPOINT_POLICIES
 from hybridkv.events.config import KVEventsConfig
+from hybridkv.kv.hash_algos import hash_algo
+from hybridkv.kv.hashing import DEFAULT_HASH_ALGO
 from hybridkv.kv.layout import KV_LAYOUTS
 from hybridkv.kv.state import STATE_DTYPES
 from hybridkv.structured.config import StructuredOutputsConfig
@@ -31,6 +33,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True
+    # vLLM's --prefix-caching-hash-algo: how block hashes are made (`kv.hash_algos`). vLLM's names make the ids
+    # KV events publish reproducible by routers (with PYTHONHASHSEED set, as in vLLM); ours needs no seed.
+    prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO
     # The same bits in every mode (batch, chunking, prefix hits, preemption, PD, offload): exact arithmetic and
     # exact steps. None: on in float32 for the models that support it (`engine.chunking.exact_unit`).
     batch_invariant: bool | None = None
@@ -59,6 +64,7 @@ class EngineConfig:
         )
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        hash_algo(self.prefix_caching_hash_algo)  # a ValueError naming the choices
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -27,7 +27,7 @@ from hybridkv.engine.turn_end import turn_end_request
 from hybridkv.events.publisher import ZmqEventPublisher
 from hybridkv.kv.coordinator import KVCacheCoordinator
 from hybridkv.kv.events import MEDIUM_GPU, KVEventLog, public
-from hybridkv.kv.hashing import is_private
+from hybridkv.kv.hashing import BlockHasher, is_private
 from hybridkv.kv.layout import cross_layers_enabled
 from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
 from hybridkv.kv.planner import CacheConfig, plan_kv_cache
@@ -76,6 +76,7 @@ class LLMEngine:
                 f"max_num_batched_tokens={config.max_num_batched_tokens} is below {self.exact_unit}, the unit "
                 "a recurrent-state prefill is split in (block size and scan chunk): raise it to at least that"
             )
+        self.hasher = BlockHasher.from_environment(config.prefix_caching_hash_algo)
         events = config.kv_events_config
         self.kv_events: KVEventLog | None = KVEventLog() if events is not None and events.enabled else None
         exact_model = self.exact_unit is not None and self.plan.state is None
@@ -169,7 +170,9 @@ class LLMEngine:
         if isinstance(kv_transfer_params, dict):
             (kv_transfer_params,) = self.accept_transfer_params(kv_transfer_params)
         rid = request_id or f"req-{next(self._ids)}"
-        req = Request(rid, ids, params, self.plan.block_size, self.eos_token_ids, cache_salt, kv_transfer_params)
+        req = Request(
+            rid, ids, params, self.plan.block_size, self.eos_token_ids, cache_salt, kv_transfer_params, self.hasher
+        )
         if params.structured_outputs is not None:
             req.grammar = self.constraints.matcher(params.structured_outputs, constraint)
         self.scheduler.add(req)

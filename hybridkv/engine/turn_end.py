@@ -39,5 +39,10 @@ def turn_end_request(req: Request, align: int, max_model_len: int) -> Request | 
         return None
     filler = tokens[0]  # any id of the vocabulary: only its logits are computed, and thrown away
     return Request(
-        f"{req.request_id}#turn-end", [*tokens[:end], filler], PUBLISH, req.block_size, cache_salt=req.cache_salt
+        f"{req.request_id}#turn-end",
+        [*tokens[:end], filler],
+        PUBLISH,
+        req.block_size,
+        cache_salt=req.cache_salt,
+        hasher=req.hasher,
     )

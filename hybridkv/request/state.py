@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridkv.kv.hashing import BlockHash, hash_blocks
+from hybridkv.kv.hashing import DEFAULT_HASHER, BlockHash, BlockHasher, Link
 from hybridkv.request.outputs import TokenLogprob
 from hybridkv.request.sampling_params import SamplingParams
 
@@ -42,8 +42,11 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         cache_salt: str | None = None,
         kv_transfer_params: Any = None,
+        hasher: BlockHasher = DEFAULT_HASHER,
     ) -> None:
         self.request_id = request_id
+        self.hasher = hasher  # the engine's: every request of an engine chains from the same root
+        self._last_link: Link | None = None  # the last full block's (what the next one chains from)
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
@@ -89,14 +92,16 @@ class Request:
         return len(self.prompt_token_ids)
 
     def _update_hashes(self) -> None:
-        parent = self.block_hashes[-1] if self.block_hashes else None
-        self.block_hashes += hash_blocks(
+        links = self.hasher.links(
             self.all_token_ids,
             self.block_size,
-            parent=parent,
+            after=self._last_link,
             cache_salt=self.cache_salt,
             start_block=len(self.block_hashes),
         )
+        if links:
+            self._last_link = links[-1]
+            self.block_hashes += [link.block_hash for link in links]
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

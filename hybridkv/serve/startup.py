@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from hybridkv.kv.hashing import DEFAULT_HASH_ALGO
 from hybridkv.kv.model_kv import load_hf_config
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.loader import resolve_dtype
@@ -211,8 +212,22 @@ def startup_lines(engine: LLMEngine, served_name: str | None = None) -> list[str
         *kernel_lines(engine),
         model_line(engine, served_name),
         *plan_lines(engine.plan),
+        hash_line(engine),
         connectors_line(engine),
     ]
+
+
+def hash_line(engine: LLMEngine) -> str:
+    algo = engine.config.prefix_caching_hash_algo
+    if algo == DEFAULT_HASH_ALGO:
+        return f"block hashes: {algo} (fixed root)"
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is None:
+        return (
+            f"block hashes: {algo}, random root (PYTHONHASHSEED is not set): no router can recompute the ids "
+            "KV events publish, and no other process shares this one's offloaded blocks; set PYTHONHASHSEED"
+        )
+    return f"block hashes: {algo}, root from PYTHONHASHSEED={seed} (as vLLM)"
 
 
 def listening_line(host: str, port: int) -> str:

@@ -1,6 +1,7 @@
 """`vllm serve` habits (`cli/vllm_flags.py`): the positional model, vLLM's engine flags with vLLM's meanings, the
 no-op flags accepted, tensor parallelism refused with what to do instead."""
 
+import os
 import subprocess
 
 import httpx
@@ -30,6 +31,7 @@ def test_vllm_serve_flags_start_a_server_with_their_meanings():
     server = Process(
         "serve", str(DEFAULT_MODEL_DIR), *SMALL, "--block-size", "32", "--no-enable-prefix-caching", "-tp", "1",
         "--enforce-eager", "--trust-remote-code", "--max-num-batched-tokens", "64", "--enable-chunked-prefill",
+        "--prefix-caching-hash-algo", "sha256_cbor", env=os.environ | {"PYTHONHASHSEED": "0"},
     )  # fmt: skip
     try:
         body = {"model": DEFAULT_MODEL_DIR.name, "prompt": "the cat sat on the mat " * 8, "max_tokens": 1}
@@ -40,11 +42,16 @@ def test_vllm_serve_flags_start_a_server_with_their_meanings():
     finally:
         server.stop()
     assert "block size 32" in log
+    assert "block hashes: sha256_cbor, root from PYTHONHASHSEED=0" in log
     assert hits == 0
 
 
 def test_tensor_parallelism_and_two_models_are_refused_at_start():
-    for extra in (["-tp", "2"], [str(DEFAULT_MODEL_DIR), "--model", "/elsewhere"]):
+    for extra, says in (
+        (["-tp", "2"], "tensor parallelism"),
+        ([str(DEFAULT_MODEL_DIR), "--model", "/elsewhere"], "given twice"),
+        (["--prefix-caching-hash-algo", "md5"], "must be one of hybridkv, sha256, sha256_cbor, xxhash, xxhash_cbor"),
+    ):
         done = subprocess.run(["hybridkv", "serve", *SMALL, *extra], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, extra
-        assert "tensor parallelism" in done.stderr or "given twice" in done.stderr
+        assert says in done.stderr, done.stderr
