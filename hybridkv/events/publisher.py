@@ -100,13 +100,23 @@ class ZmqEventPublisher:
             else " (this host only; salted requests are never published)",
         )
 
-    def source(self) -> dict[str, Any]:
-        """This publisher as vLLM's `GET /kv_event_sources` lists one (a router subscribes from it)."""
+    def sources(self) -> dict[str, dict[str, Any]]:
+        """This publisher as vLLM's `GET /kv_event_sources` lists it: per data-parallel rank (a string key) its
+        events config with the sockets as bound, and the wire format a router checks before it subscribes."""
+        c = self.config
         return {
-            "data_parallel_rank": self._rank,
-            "endpoint": self._endpoint,
-            "replay_endpoint": self._replay_endpoint,
-            "topic": self.config.topic,
+            str(self._rank): {
+                "enable_kv_cache_events": True,
+                "publisher": c.publisher,
+                "endpoint": self._endpoint,
+                "replay_endpoint": self._replay_endpoint,
+                "buffer_steps": c.buffer_steps,
+                "hwm": c.hwm,
+                "max_queue_size": c.max_queue_size,
+                "topic": c.topic,
+                "encoding": "msgpack",
+                "schema_version": 1,
+            }
         }
 
     @property

@@ -1,4 +1,5 @@
-"""OpenAI-compatible generation routes: /v1/completions and /v1/chat/completions (SSE streaming). The routes around
+"""OpenAI-compatible generation routes: /v1/completions and /v1/chat/completions (SSE streaming), and their /render
+twins (the prompt's token ids, nothing generated). The routes around
 them are in `info_routes.py`; what every request must pass first (API key, Host on loopback, JSON bodies, size) is
 in `guards.py`.
 
@@ -166,5 +167,22 @@ def build_app(
         counts = {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens}
         extra = {"kv_transfer_params": last.kv_transfer_params} if last.kv_transfer_params else {}
         return head | {"choices": [choice], "usage": usage_of(counts)} | extra
+
+    # vLLM's render routes: the token ids a request would run, nothing generated (KV-aware routers place a request
+    # by them: vllm-router asks the instances before it picks one).
+    @app.post("/v1/completions/render")
+    async def render_completions(request: Request) -> list[dict]:
+        req = await require_json(request, CompletionRequest)
+        check_model(req.model, model_name)
+        prompts = req.prompts()
+        checked(limits.check_batch, len(prompts))
+        return [{"model": model_name, "token_ids": await prompt_ids(p), "features": None} for p in prompts]
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(request: Request) -> dict:
+        req = await require_json(request, ChatRequest)
+        check_model(req.model, model_name)
+        ids = await prompt_ids(await chat_ids(engine, limits, renderer, req.messages))
+        return {"model": model_name, "token_ids": ids, "features": None}
 
     return app

@@ -53,10 +53,10 @@ def add_info_routes(
 
     @app.get("/kv_event_sources")
     async def kv_event_sources() -> dict:
-        """vLLM's discovery route for KV-aware routers: where this instance publishes its KV events (none when
-        they are off)."""
+        """vLLM's discovery route for KV-aware routers: per data-parallel rank, where this instance publishes its
+        KV events (an empty object when they are off)."""
         publisher = engine.engine.kv_publisher
-        return {"sources": [] if publisher is None else [publisher.source()]}
+        return {} if publisher is None else publisher.sources()
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> JSONResponse:

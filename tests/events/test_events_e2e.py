@@ -227,8 +227,12 @@ def test_kv_event_sources_names_the_sockets_a_router_reads(ctx):
               "topic": TOPIC.decode()}  # fmt: skip
     p = Process("serve", *ENGINE, "--kv-events-config", json.dumps(config), timeout=300)
     try:
-        (source,) = httpx.get(f"{p.url}/kv_event_sources", timeout=10).json()["sources"]
-        assert source["data_parallel_rank"] == 0 and source["topic"] == TOPIC.decode()
+        sources = httpx.get(f"{p.url}/kv_event_sources", timeout=10).json()
+        assert list(sources) == ["0"]  # keyed by data-parallel rank, as vLLM's
+        source = sources["0"]
+        assert source["topic"] == TOPIC.decode() and source["enable_kv_cache_events"] is True
+        # What vllm-router checks before it subscribes to a discovered source.
+        assert (source["publisher"], source["encoding"], source["schema_version"]) == ("zmq", "msgpack", 1)
         ports = []
         for key in ("endpoint", "replay_endpoint"):
             host, port = source[key].removeprefix("tcp://").rsplit(":", 1)
@@ -243,6 +247,6 @@ def test_kv_event_sources_names_the_sockets_a_router_reads(ctx):
         p.stop()
     plain = Process("serve", *ENGINE[:-1])
     try:
-        assert httpx.get(f"{plain.url}/kv_event_sources", timeout=10).json() == {"sources": []}
+        assert httpx.get(f"{plain.url}/kv_event_sources", timeout=10).json() == {}
     finally:
         plain.stop()
