@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
 from hybridkv.cli.bench import app as bench_app
@@ -10,13 +12,24 @@ from hybridkv.cli.generate import generate
 from hybridkv.cli.plan import plan
 from hybridkv.cli.proxy import proxy
 from hybridkv.cli.serve import serve
+from hybridkv.cli.vllm_flags import expand_multi_value
 
-app = typer.Typer(
+
+class _App(typer.Typer):
+    """The command line, reading vLLM's multi-value flags (`--served-model-name a b`) as vLLM does."""
+
+    def __call__(self, *args, **kwargs):
+        sys.argv[1:] = expand_multi_value(sys.argv[1:])
+        return super().__call__(*args, **kwargs)
+
+
+app = _App(
     name="hybridkv",
     help="hybridkv: a small LLM-serving engine whose core is a KV cache system for hybrid models.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: option names whole, text wrapped to the terminal (80 columns too)
 )
 
 

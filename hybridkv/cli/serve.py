@@ -12,12 +12,16 @@ from hybridkv.cli.vllm_flags import (
     EnableChunkedPrefill,
     EnablePrefixCaching,
     EnforceEager,
+    GpuMemoryUtilization,
     MaxNumBatchedTokens,
     ModelArgument,
     PrefixCachingHashAlgo,
+    Seed,
+    ServedModelName,
     TensorParallelSize,
     TrustRemoteCode,
     check_vllm_flags,
+    resolve_memory,
     resolve_model,
 )
 from hybridkv.kv.layout import KV_LAYOUTS
@@ -28,7 +32,7 @@ def serve(
     model: Annotated[str | None, typer.Option(help="model folder (default: the embedded model)")] = None,
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
-    served_model_name: Annotated[str | None, typer.Option(help="the name clients use (default: the folder's)")] = None,
+    served_model_name: ServedModelName = None,
     api_key: Annotated[
         list[str] | None,
         typer.Option(
@@ -68,18 +72,26 @@ def serve(
     ] = None,
     dtype: Annotated[str, typer.Option()] = "float32",
     kv_layout: Annotated[str, typer.Option(help=" | ".join(KV_LAYOUTS))] = "auto",
-    kv_cache_memory: Annotated[str, typer.Option(help="KV cache budget, e.g. 1GiB")] = "1GiB",
+    kv_cache_memory: Annotated[
+        str | None, typer.Option(help="KV cache budget, e.g. 1GiB [default: 1GiB]", show_default=False)
+    ] = None,
+    gpu_memory_utilization: GpuMemoryUtilization = None,
     max_model_len: Annotated[int | None, typer.Option()] = None,
     max_num_seqs: Annotated[int, typer.Option(min=1)] = 128,
     block_size: BlockSize = 16,
     max_num_batched_tokens: MaxNumBatchedTokens = 2048,
     enable_prefix_caching: EnablePrefixCaching = True,
     prefix_caching_hash_algo: PrefixCachingHashAlgo = "hybridkv",
+    seed: Seed = None,
     tensor_parallel_size: TensorParallelSize = 1,
     enforce_eager: EnforceEager = False,
     trust_remote_code: TrustRemoteCode = False,
     enable_chunked_prefill: EnableChunkedPrefill = True,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads")] = None,
+    disable_log_stats: Annotated[
+        bool, typer.Option(help="no periodic stats line (throughput, queue, KV usage, prefix hits) in the log")
+    ] = False,
+    disable_uvicorn_access_log: Annotated[bool, typer.Option(help="no line per HTTP request in the log")] = False,
     kv_transfer_config: Annotated[
         str | None,
         typer.Option(
@@ -150,7 +162,9 @@ def serve(
             model=folder,
             dtype=dtype,
             kv_layout=kv_layout,
-            kv_cache_memory=kv_cache_memory,
+            kv_cache_memory=resolve_memory(kv_cache_memory, gpu_memory_utilization) or "1GiB",
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             block_size=block_size,
@@ -172,13 +186,13 @@ def serve(
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
-    name = served_model_name or Path(folder).name
+    names = served_model_name or [Path(folder).name]
     log = logging.getLogger("hybridkv.serve")
-    for line in startup_lines(engine, name):
+    for line in startup_lines(engine, names[0]):
         log.info("%s", line)
-    async_engine = AsyncEngine(engine, name)
+    async_engine = AsyncEngine(engine, names[0], log_stats=not disable_log_stats)
     try:
-        app = build_app(async_engine, name, api_key, enable_admin, host, max_request_bytes, api_key_metrics,
+        app = build_app(async_engine, names, api_key, enable_admin, host, max_request_bytes, api_key_metrics,
                         salt_by_api_key, hide_prefix_cache_metrics, chat_template)  # fmt: skip
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
@@ -188,6 +202,8 @@ def serve(
              limits.max_request_bytes, limits.max_prompt_chars)  # fmt: skip
     try:
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        if not disable_uvicorn_access_log:  # one line per request, uvicorn's format (as vLLM's log shows)
+            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
         sock = server.config.bind_socket()  # exits with uvicorn's error when the address is taken
         sock.listen(2048)  # connections queue from here on, so the line below is true when it is printed
         log.info("%s", listening_line(host, sock.getsockname()[1]))

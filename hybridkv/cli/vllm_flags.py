@@ -32,6 +32,26 @@ PrefixCachingHashAlgo = Annotated[
         "recomputes (set PYTHONHASHSEED on both, as for vLLM)"
     ),
 ]
+GpuMemoryUtilization = Annotated[
+    float | None,
+    typer.Option(
+        min=0.0,
+        max=1.0,
+        help="KV cache budget as a fraction of the device's memory, less the weights (CPU: physical memory); "
+        "in place of --kv-cache-memory",
+        show_default=False,
+    ),
+]
+Seed = Annotated[int | None, typer.Option(help="seed the sampler of requests that give no seed (as vLLM's)")]
+ServedModelName = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="NAME...",
+        help="the names clients use, the first in responses (default: the folder's); several as vLLM's: "
+        "--served-model-name a b",
+        show_default=False,
+    ),
+]
 TensorParallelSize = Annotated[
     int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="1 only: hybridkv has no tensor parallelism")
 ]
@@ -46,6 +66,36 @@ EnableChunkedPrefill = Annotated[
         help="accepted: prefill is always chunked by --max-num-batched-tokens (off only logs a warning)",
     ),
 ]
+
+
+# vLLM flags that take several values (argparse nargs="+"): `--flag a b` reads as `--flag a --flag b`.
+MULTI_VALUE_FLAGS = ("--served-model-name",)
+
+
+def expand_multi_value(argv: list[str]) -> list[str]:
+    """`argv` with each multi-value flag's values (up to the next option) given one flag each; a value that starts
+    with "-" ends the list, as in argparse."""
+    out: list[str] = []
+    flag = None
+    for arg in argv:
+        if arg.startswith("-"):
+            flag = arg if arg in MULTI_VALUE_FLAGS else None
+            out.append(arg)
+        elif flag is not None and out[-1] != flag:
+            out += [flag, arg]
+        else:
+            out.append(arg)
+    return out
+
+
+def resolve_memory(kv_cache_memory: str | None, gpu_memory_utilization: float | None) -> str | None:
+    """--kv-cache-memory (default 1GiB), unless --gpu-memory-utilization sizes the cache (None then); both is a
+    ValueError."""
+    if kv_cache_memory is not None and gpu_memory_utilization is not None:
+        raise ValueError("--kv-cache-memory and --gpu-memory-utilization both size the KV cache: give one")
+    if gpu_memory_utilization is not None:
+        return None
+    return kv_cache_memory or "1GiB"
 
 
 def resolve_model(positional: str | None, option: str | None) -> str | None:

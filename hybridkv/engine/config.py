@@ -29,6 +29,11 @@ class EngineConfig:
     kv_layout: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"
+    # vLLM's --gpu-memory-utilization: when set, the KV budget is this fraction of the device's memory less the
+    # weights (`engine.memory_budget`), in place of kv_cache_memory.
+    gpu_memory_utilization: float | None = None
+    # vLLM's --seed: seeds the sampler of requests that give no seed of their own (None: unseeded).
+    seed: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 8192
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
@@ -79,6 +84,9 @@ class EngineConfig:
                 f"got {self.mamba_ssm_cache_dtype!r}"
             )
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
         if self.state_cache_memory is not None:
             object.__setattr__(self, "state_cache_memory", parse_bytes(self.state_cache_memory))
             if self.state_cache_memory < 0:

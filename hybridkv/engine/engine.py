@@ -20,6 +20,7 @@ from hybridkv.connectors.identity import model_fingerprint
 from hybridkv.engine.chunking import ExactChunks, FreeChunks, exact_unit
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
+from hybridkv.engine.kv_sizing import plan_for
 from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
 from hybridkv.engine.stats import EngineStats, snapshot
 from hybridkv.engine.tokenizer import Tokenizer, eos_token_ids
@@ -28,9 +29,7 @@ from hybridkv.events.publisher import ZmqEventPublisher
 from hybridkv.kv.coordinator import KVCacheCoordinator
 from hybridkv.kv.events import MEDIUM_GPU, KVEventLog, public
 from hybridkv.kv.hashing import BlockHasher, is_private
-from hybridkv.kv.layout import cross_layers_enabled
-from hybridkv.kv.model_kv import load_hf_config, model_kv_from_hf
-from hybridkv.kv.planner import CacheConfig, plan_kv_cache
+from hybridkv.kv.model_kv import load_hf_config
 from hybridkv.models.registry import load_model
 from hybridkv.request.prompt import check_prompt
 from hybridkv.request.sampling_params import SamplingParams
@@ -48,27 +47,8 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         hf = load_hf_config(config.model)
-        text = hf.get("text_config", hf)
-        limit = text.get("max_position_embeddings")
-        if config.max_model_len and limit and config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings ({limit}): "
-                f"positions past it were never trained; pass max_model_len <= {limit}"
-            )
-        max_len = config.max_model_len or min(limit or 8192, 8192)
-        model_kv = model_kv_from_hf(
-            hf, block_size=config.block_size, dtype=config.dtype, ssm_dtype=config.mamba_ssm_cache_dtype
-        )
-        self.plan = plan_kv_cache(
-            model_kv,
-            CacheConfig(
-                memory_bytes=int(config.kv_cache_memory),
-                max_model_len=max_len,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                kv_layout=config.kv_layout,
-                enable_cross_layers_blocks=cross_layers_enabled(config.extra_config),
-            ),
-        )
+        self.plan = plan_for(config, self.device, hf)
+        max_len = self.plan.max_model_len
         # None: free chunks and fast arithmetic
         self.exact_unit = exact_unit(config.batch_invariant, config.dtype, config.max_num_batched_tokens, hf, self.plan)
         if self.exact_unit is not None and config.max_num_batched_tokens < self.exact_unit:
@@ -77,6 +57,8 @@ class LLMEngine:
                 "a recurrent-state prefill is split in (block size and scan chunk): raise it to at least that"
             )
         self.hasher = BlockHasher.from_environment(config.prefix_caching_hash_algo)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)  # vLLM's --seed: the process's sampler, for requests without a seed
         events = config.kv_events_config
         self.kv_events: KVEventLog | None = KVEventLog() if events is not None and events.enabled else None
         exact_model = self.exact_unit is not None and self.plan.state is None
@@ -116,7 +98,7 @@ class LLMEngine:
         except ValueError:
             self.tokenizer = None
         self.eos_token_ids = eos_token_ids(config.model, hf)
-        self.vocab_size: int = text["vocab_size"]
+        self.vocab_size: int = hf.get("text_config", hf)["vocab_size"]
         self.constraints = Constraints(
             config.model, self.vocab_size, self.eos_token_ids, config.structured_outputs_config
         )

@@ -36,7 +36,7 @@ DEFAULT_MAX_TOKENS = 16
 
 def build_app(
     engine: AsyncEngine,
-    model_name: str,
+    model_name: str | Sequence[str],
     api_key: str | Sequence[str] | None = None,
     enable_admin: bool = False,
     bind_host: str | None = None,
@@ -46,19 +46,22 @@ def build_app(
     hide_prefix_cache_metrics: bool = False,
     chat_template: str | None = None,
 ) -> FastAPI:
-    """`api_key`: one key or several (each a tenant: with several, each gets its own prefix cache unless
+    """`model_name`: the served name, or several (vLLM's --served-model-name a b: requests may name any, responses
+    name the first); `api_key`: one key or several (each a tenant: with several, each gets its own prefix cache unless
     `salt_by_api_key` is off); `bind_host`: the address the server listens on (a loopback one turns the Host check
     on); `max_request_bytes`: None derives it from the model (serve/limits.py); `api_key_metrics`: /metrics needs
     an API key too (by default scrapers read it without one, as in vLLM); `hide_prefix_cache_metrics`: /metrics
     leaves out the counters that tell a reader whether a prompt hit a cache; `chat_template`: a file or inline
     Jinja text that replaces the model's (a ValueError here when it does not parse)."""
     app = FastAPI(title="hybridkv")
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    model_name = names[0]
     limits = app.state.limits = request_limits(engine, max_request_bytes)
     renderer = app.state.chat = ChatRenderer.load(engine.engine.config.model, chat_template)
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     guard(app, keys, bind_host, limits.max_request_bytes, api_key_metrics, salt_by_api_key)
     engine.metrics.hide_prefix_hits = hide_prefix_cache_metrics
-    add_info_routes(app, engine, model_name, enable_admin, limits)
+    add_info_routes(app, engine, names, enable_admin, limits)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -117,7 +120,7 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await require_json(request, CompletionRequest)
-        check_model(req.model, model_name)
+        check_model(req.model, names)
         if req.echo:
             raise APIError(400, "echo=true is not supported: the response holds the completion only", param="echo")
         prompts = req.prompts()
@@ -151,7 +154,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await require_json(request, ChatRequest)
-        check_model(req.model, model_name)
+        check_model(req.model, names)
         ids = await prompt_ids(await chat_ids(engine, limits, renderer, req.messages))
         asked = req.max_tokens is not None or req.max_completion_tokens is not None
         params = within_context(await sampling_params(request, req), len(ids), asked)
@@ -173,7 +176,7 @@ def build_app(
     @app.post("/v1/completions/render")
     async def render_completions(request: Request) -> list[dict]:
         req = await require_json(request, CompletionRequest)
-        check_model(req.model, model_name)
+        check_model(req.model, names)
         prompts = req.prompts()
         checked(limits.check_batch, len(prompts))
         return [{"model": model_name, "token_ids": await prompt_ids(p), "features": None} for p in prompts]
@@ -181,7 +184,7 @@ def build_app(
     @app.post("/v1/chat/completions/render")
     async def render_chat(request: Request) -> dict:
         req = await require_json(request, ChatRequest)
-        check_model(req.model, model_name)
+        check_model(req.model, names)
         ids = await prompt_ids(await chat_ids(engine, limits, renderer, req.messages))
         return {"model": model_name, "token_ids": ids, "features": None}
 

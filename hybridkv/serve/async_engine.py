@@ -23,6 +23,7 @@ from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.request.state import Request
 from hybridkv.serve.compile_pool import CompilePool
 from hybridkv.serve.metrics import EngineMetrics
+from hybridkv.serve.stats_log import StatsLog
 from hybridkv.structured.constraints import Compiled
 from hybridkv.structured.spec import StructuredOutputs
 
@@ -90,8 +91,9 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, model_name: str | None = None) -> None:
-        """`model_name`: the served name, /metrics' `model_name` label (default: the model folder's name)."""
+    def __init__(self, engine: LLMEngine, model_name: str | None = None, log_stats: bool = False) -> None:
+        """`model_name`: the served name, /metrics' `model_name` label (default: the model folder's name);
+        `log_stats`: log the periodic stats line (`serve/stats_log.py`)."""
         self.engine = engine
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -100,6 +102,7 @@ class AsyncEngine:
         self._stopped = False
         self.metrics = EngineMetrics(model_name or Path(engine.config.model).name, engine.max_model_len)
         self._stats, self._stats_time = engine.stats(), time.monotonic()
+        self.stats_log = StatsLog(self._stats, self._stats_time) if log_stats else None
         engine.set_waker(self._wake.set)
         self.compiles = CompilePool(engine.constraints)
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
@@ -180,6 +183,16 @@ class AsyncEngine:
     def _snapshot(self, now: float) -> None:
         """Publish the engine's stats for /metrics (a reference swap: readers never see a half-built one)."""
         self._stats, self._stats_time = self.engine.stats(), now
+        if self.stats_log is not None:
+            self.stats_log.observe(self._stats, now)
+
+    def _idle_wait(self, now: float) -> float | None:
+        """How long the idle engine thread may sleep: until the engine's next deadline, or the stats line due."""
+        deadline = self.engine.next_deadline()
+        due = None if self.stats_log is None else self.stats_log.due_in(self._stats, now)
+        if due is None:
+            return deadline
+        return due if deadline is None else min(deadline, due)
 
     def _post(self, command: _Command) -> None:
         self._inbox.put(command)
@@ -190,8 +203,9 @@ class AsyncEngine:
             try:
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
-                    self._snapshot(time.monotonic())
-                    self._wake.wait(self.engine.next_deadline())
+                    now = time.monotonic()
+                    self._snapshot(now)
+                    self._wake.wait(self._idle_wait(now))
                     self._wake.clear()
                     self.engine.step()  # idle: only the connector's releases and expired leases
                     continue

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,16 +33,19 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt] = Field(max_length=1 << 20)
 
 
-def check_model(name: str | None, model_name: str) -> None:
-    """A request naming another model is a 404 (vLLM's answer); no name means ours."""
-    if name is not None and name != model_name:
-        raise APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}", "not_found_error")
+def check_model(name: str | None, names: Sequence[str]) -> None:
+    """A request naming another model is a 404 (vLLM's answer); no name means ours. `names`: the served names."""
+    if name is not None and name not in names:
+        served = " or ".join(repr(n) for n in names)
+        raise APIError(404, f"model {name!r} does not exist; this server serves {served}", "not_found_error")
 
 
 def add_info_routes(
-    app: FastAPI, engine: AsyncEngine, model_name: str, enable_admin: bool, limits: RequestLimits
+    app: FastAPI, engine: AsyncEngine, names: Sequence[str], enable_admin: bool, limits: RequestLimits
 ) -> None:
-    card = {"id": model_name, "object": "model", "owned_by": "hybridkv", "max_model_len": engine.max_model_len}
+    cards = {
+        n: {"id": n, "object": "model", "owned_by": "hybridkv", "max_model_len": engine.max_model_len} for n in names
+    }
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -65,12 +69,12 @@ def add_info_routes(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": list(cards.values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
-        check_model(model_id, model_name)
-        return card
+        check_model(model_id, names)
+        return cards[model_id]
 
     @app.get("/version")
     async def version() -> dict:
@@ -79,7 +83,7 @@ def add_info_routes(
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         req = await require_json(request, TokenizeRequest)
-        check_model(req.model, model_name)
+        check_model(req.model, names)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         if req.messages is not None:
@@ -94,7 +98,7 @@ def add_info_routes(
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         req = await require_json(request, DetokenizeRequest)
-        check_model(req.model, model_name)
+        check_model(req.model, names)
         tokenizer = engine.engine.tokenizer
         if tokenizer is None:
             raise APIError(400, "this model folder has no tokenizer", param="tokens")

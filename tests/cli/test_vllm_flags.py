@@ -2,6 +2,7 @@
 no-op flags accepted, tensor parallelism refused with what to do instead."""
 
 import os
+import re
 import subprocess
 
 import httpx
@@ -9,6 +10,7 @@ import pytest
 
 from hybridkv.cli.vllm_flags import check_vllm_flags, resolve_model
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
+from hybridkv.engine.kv_sizing import weight_bytes
 from tests.metrics_util import scrape
 from tests.procs import Process
 
@@ -46,12 +48,45 @@ def test_vllm_serve_flags_start_a_server_with_their_meanings():
     assert hits == 0
 
 
+def test_gpu_memory_utilization_sizes_the_cache_and_names_serve_as_vllms():
+    """`--gpu-memory-utilization` (a fraction of this machine's memory chosen to leave ~64 MiB of KV past the
+    weights), several served names, and vLLM's log: banner, plan, listening line, access log."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    weights = weight_bytes(DEFAULT_MODEL_DIR, "float32")
+    fraction = (weights + (64 << 20)) / total
+    server = Process(
+        "serve", str(DEFAULT_MODEL_DIR), "--max-model-len", "2048", "--gpu-memory-utilization", f"{fraction:.9f}",
+        "--enable-prefix-caching", "-tp", "1", "--threads", "1", "--served-model-name", "first", "second",
+        "--seed", "7",
+    )  # fmt: skip
+    try:
+        listed = [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]]
+        answers = []
+        for name in ("first", "second"):
+            body = {"model": name, "prompt": "the cat sat", "max_tokens": 4, "temperature": 0}
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            answers.append((r.status_code, r.json()["model"]))
+        other = httpx.post(f"{server.url}/v1/completions", json=body | {"model": "third"}, timeout=60)
+        log = server.log.read_text()
+    finally:
+        server.stop()
+    assert listed == ["first", "second"] and answers == [(200, "first"), (200, "first")]
+    assert other.status_code == 404 and "'first' or 'second'" in other.text
+    budget = re.search(r"KV cache budget: .* = ([\d.]+) MiB \(--gpu-memory-utilization\)", log)
+    assert budget and abs(float(budget.group(1)) - 64) < 0.1, log
+    for line in ("hybridkv 0.", "KV plan:", "listening on http://127.0.0.1:", '"POST /v1/completions HTTP/1.1" 200'):
+        assert line in log, line
+
+
 def test_tensor_parallelism_and_two_models_are_refused_at_start():
     for extra, says in (
         (["-tp", "2"], "tensor parallelism"),
         ([str(DEFAULT_MODEL_DIR), "--model", "/elsewhere"], "given twice"),
         (["--prefix-caching-hash-algo", "md5"], "must be one of hybridkv, sha256, sha256_cbor, xxhash, xxhash_cbor"),
+        (["--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1GiB"], "give one"),
+        (["--gpu-memory-utilization", "0.0000001"], "does not cover the weights"),  # --kv-cache-memory dropped
     ):
-        done = subprocess.run(["hybridkv", "serve", *SMALL, *extra], capture_output=True, text=True, timeout=120)
+        small = SMALL[2:] if "does not cover the weights" in says else SMALL
+        done = subprocess.run(["hybridkv", "serve", *small, *extra], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, extra
         assert says in done.stderr, done.stderr

@@ -79,8 +79,9 @@ def test_lines_say_what_a_float32_engine_chose(tiny_gemma4, monkeypatch):
         f"{format_bytes(plan.total_bytes)}; max concurrency {plan.max_concurrency:.2f} at 256 tokens"
     ) in lines[5]
     assert lines[6] == f"KV layout: {plan.layout} ({len(plan.buffer_sizes)} buffer{'s' * (len(plan.buffer_sizes) > 1)})"
-    assert lines[7] == "connectors: OffloadingConnector (kv_both)"
-    assert len(lines) == 8
+    assert lines[7] == "block hashes: hybridkv (fixed root)"
+    assert lines[8] == "connectors: OffloadingConnector (kv_both)"
+    assert len(lines) == 9
 
 
 @pytest.mark.parametrize("probe", ["this CPU's", "forced to keep oneDNN"])
@@ -142,6 +143,7 @@ def test_a_server_logs_each_line_before_it_is_healthy(tiny_gemma4):
         f"model: {tiny_gemma4} (gemma4_text, float32, 8 layers, max_model_len 256, served as 'tiny')",
         "KV plan: 2 groups (",
         "KV layout: ",
+        "block hashes: hybridkv (fixed root)",
         "connectors: OffloadingConnector (kv_both)",
         "requests: bodies up to 1048576 bytes; prompt texts over 1275 characters are refused before tokenizing",
         f"listening on http://127.0.0.1:{server.port}",
