@@ -49,9 +49,9 @@ def bench_throughput(
     rng = random.Random(seed)
     prompts = [[rng.randrange(4, vocab) for _ in range(input_len)] for _ in range(num_prompts)]
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm-up
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)  # warm-up
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     report = {

@@ -87,7 +87,7 @@ def evaluate(
         task = progress.add_task(f"scoring {path.name}", total=len(items))
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
-            outs = llm.generate(prompts[start : start + batch_size], params)
+            outs = llm.generate(prompts[start : start + batch_size], params, use_tqdm=False)
             correct += sum(score(o.outputs[0].text, it["answer"]) for o, it in zip(outs, batch))
             progress.advance(task, len(batch))
     shape = f" chat {num_fewshot}-shot" if chat else ""
