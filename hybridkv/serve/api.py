@@ -24,11 +24,20 @@ from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.serve.async_engine import AsyncEngine
 from hybridkv.serve.chat import ChatRenderer, chat_ids
 from hybridkv.serve.compile_pool import CompileBusy
+from hybridkv.serve.fanout import best, sequence_params
 from hybridkv.serve.guards import error_response, guard, off_loop, require_json, tenant_salt
 from hybridkv.serve.info_routes import add_info_routes, check_model
 from hybridkv.serve.limits import checked, request_limits
 from hybridkv.serve.protocol import APIError, ChatRequest, CompletionRequest
-from hybridkv.serve.responses import collect, completion_logprobs, meta, sse, until_disconnected, usage_of
+from hybridkv.serve.responses import (
+    chat_logprobs,
+    collect,
+    completion_logprobs,
+    meta,
+    sse,
+    until_disconnected,
+    usage_of,
+)
 from hybridkv.structured.constraints import Compiled
 
 DEFAULT_MAX_TOKENS = 16
@@ -123,30 +132,34 @@ def build_app(
         check_model(req.model, names)
         if req.echo:
             raise APIError(400, "echo=true is not supported: the response holds the completion only", param="echo")
-        prompts = req.prompts()
-        if req.stream and len(prompts) > 1:
-            raise APIError(400, "streaming takes one prompt", param="prompt")
-        checked(limits.check_batch, len(prompts))
+        prompts, (n, runs) = req.prompts(), req.sequences()
+        checked(limits.check_batch, len(prompts) * runs)
         ids = [await prompt_ids(p) for p in prompts]
         base, asked = await sampling_params(request, req), req.max_tokens is not None
         constraint = await compile_constraint(base)
-        params = [within_context(base, len(p), asked) for p in ids]
         kv = transfer_params(req.kv_transfer_params, len(ids))
         head = meta("cmpl", "text_completion", model_name)
         salt = tenant_salt(request, req.cache_salt)
-        runs = [engine.generate(*run, salt, constraint) for run in zip(ids, params, kv)]
+        seqs = [
+            engine.generate(p, sp, kv_i, salt, constraint)
+            for p, kv_i in zip(ids, kv)
+            for sp in sequence_params(within_context(base, len(p), asked), runs, runs > n)
+        ]
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return sse(runs[0], head, chat=False, usage=usage, token_text=token_text)
-        results = await until_disconnected(request, asyncio.gather(*(collect(r) for r in runs)))
+            return sse(seqs, head, chat=False, usage=usage, token_text=token_text, per_prompt=runs)
+        results = await until_disconnected(request, asyncio.gather(*(collect(r) for r in seqs)))
         choices, counts, outs = [], {"prompt_tokens": 0, "completion_tokens": 0}, []
-        for i, (text, last, entries) in enumerate(results):
-            lp = None if base.logprobs is None else completion_logprobs(entries, token_text)
-            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": last.finish_reason}
-            choices.append(choice | ({"kv_transfer_params": last.kv_transfer_params} if len(ids) > 1 else {}))
-            counts["prompt_tokens"] += last.num_prompt_tokens
-            counts["completion_tokens"] += last.num_output_tokens
-            outs.append(last.kv_transfer_params)
+        for i in range(len(ids)):
+            group = results[i * runs : (i + 1) * runs]
+            kept = best(group, [entries for _, _, entries in group], n) if runs > n else group
+            for j, (text, last, entries) in enumerate(kept):
+                lp = None if base.logprobs is None else completion_logprobs(entries, token_text)
+                choice = {"index": i * n + j, "text": text, "logprobs": lp, "finish_reason": last.finish_reason}
+                choices.append(choice | ({"kv_transfer_params": last.kv_transfer_params} if len(ids) > 1 else {}))
+                counts["completion_tokens"] += last.num_output_tokens
+                outs.append(last.kv_transfer_params)
+            counts["prompt_tokens"] += group[0][1].num_prompt_tokens
         merged = engine.merge_transfer_params(outs)
         extra = {"kv_transfer_params": merged} if merged else {}
         return head | {"choices": choices, "usage": usage_of(counts)} | extra
@@ -155,21 +168,32 @@ def build_app(
     async def chat(request: Request):
         req = await require_json(request, ChatRequest)
         check_model(req.model, names)
+        n, runs = req.sequences()
+        checked(limits.check_batch, runs)
         ids = await prompt_ids(await chat_ids(engine, limits, renderer, req.messages))
         asked = req.max_tokens is not None or req.max_completion_tokens is not None
         params = within_context(await sampling_params(request, req), len(ids), asked)
         constraint = await compile_constraint(params)
         (kv,) = transfer_params(req.kv_transfer_params, 1)
         head = meta("chatcmpl", "chat.completion", model_name)
-        run = engine.generate(ids, params, kv, tenant_salt(request, req.cache_salt), constraint)
+        salt = tenant_salt(request, req.cache_salt)
+        seqs = [engine.generate(ids, sp, kv, salt, constraint) for sp in sequence_params(params, runs, runs > n)]
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return sse(run, head | {"object": "chat.completion.chunk"}, chat=True, usage=usage)
-        text, last, _ = await until_disconnected(request, collect(run))
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason}
-        counts = {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens}
+            chunk_head = head | {"object": "chat.completion.chunk"}
+            return sse(seqs, chunk_head, chat=True, usage=usage, token_text=token_text, per_prompt=runs)
+        results = await until_disconnected(request, asyncio.gather(*(collect(r) for r in seqs)))
+        kept = best(results, [entries for _, _, entries in results], n) if runs > n else results
+        choices, completion_tokens = [], 0
+        for j, (text, last, entries) in enumerate(kept):
+            lp = None if req.logprobs is False else chat_logprobs(entries, token_text)
+            message = {"role": "assistant", "content": text}
+            choices.append({"index": j, "message": message, "logprobs": lp, "finish_reason": last.finish_reason})
+            completion_tokens += last.num_output_tokens
+        last = results[0][1]
+        counts = {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": completion_tokens}
         extra = {"kv_transfer_params": last.kv_transfer_params} if last.kv_transfer_params else {}
-        return head | {"choices": [choice], "usage": usage_of(counts)} | extra
+        return head | {"choices": choices, "usage": usage_of(counts)} | extra
 
     # vLLM's render routes: the token ids a request would run, nothing generated (KV-aware routers place a request
     # by them: vllm-router asks the instances before it picks one).

@@ -22,6 +22,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
+MAX_N = 64  # n and best_of at most (a request's sequences also count against the batch limit)
 STRICT = ConfigDict(strict=True)  # no coercion: `max_tokens: true` or `"seed": "3"` is a 400, not 1 or 3
 # OpenAI fields a client relies on when it sends them: refused by name rather than silently ignored.
 UNSUPPORTED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "suffix", "audio",
@@ -92,8 +93,8 @@ class _Sampling(BaseModel):
     top_k: int = Field(default=0, ge=-1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=1)
-    best_of: int | None = Field(default=None, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)  # sequences per prompt (`serve/fanout.py`)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # sequences run, of which the best n return
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
     stream: bool = False
@@ -168,6 +169,17 @@ class _Sampling(BaseModel):
     def _logprobs(self) -> int | None:
         return None
 
+    def sequences(self) -> tuple[int, int]:
+        """(n, sequences run per prompt): best_of when given; a 400 when it is below n or asked with stream."""
+        runs = self.n if self.best_of is None else self.best_of
+        if runs < self.n:
+            raise APIError(400, f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
+        if runs > self.n and self.stream:
+            raise APIError(400, "best_of > n cannot stream: the best are known only at the end", param="best_of")
+        if runs > 1 and self.kv_transfer_params is not None:
+            raise APIError(400, "kv_transfer_params take one sequence per prompt: use n=1", param="n")
+        return self.n, runs
+
 
 def _response_format(rf: ResponseFormat) -> StructuredOutputs:
     if rf.type == "json_object":
@@ -218,15 +230,15 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
     def _logprobs(self) -> int | None:
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "logprobs on chat completions are not supported: use /v1/completions", "logprobs")
-        return None
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def parse(model: type[BaseModel], body: Any) -> Any:

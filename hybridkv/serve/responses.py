@@ -73,13 +73,55 @@ def completion_logprobs(
     }
 
 
+def chat_logprobs(entries: list[TokenLogprob], token_text: Callable[[int], str]) -> dict[str, list[Any]]:
+    """Chat's `logprobs` object: per token its text, bytes, logprob and the `top_logprobs` alternatives."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [item(e.token_id, e.logprob) | {"top_logprobs": [item(*t) for t in e.top]} for e in entries]}
+
+
+async def merged(runs: list[AsyncIterator[Update]]) -> AsyncIterator[tuple[int, Update]]:
+    """The updates of several runs as they come, each with its run's index. Leaving early (or one run failing)
+    cancels the others, which aborts their requests."""
+    queue: asyncio.Queue[tuple[int, Update | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, run: AsyncIterator[Update]) -> None:
+        try:
+            async for u in run:
+                queue.put_nowait((i, u))
+            queue.put_nowait((i, None))
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(runs)]
+    try:
+        left = len(runs)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 def sse(
-    updates: AsyncIterator[Update],
+    runs: list[AsyncIterator[Update]],
     head: dict,
     chat: bool,
     usage: bool,
-    token_text: Callable[[int], str] | None = None,
+    token_text: Callable[[int], str],
+    per_prompt: int = 1,
 ) -> StreamingResponse:
+    """One SSE stream for `runs` (choice i is run i; `per_prompt` runs share a prompt: n), the usage chunk last."""
+
     async def events() -> AsyncIterator[str]:
         try:
             async for chunk in chunks():
@@ -91,21 +133,26 @@ def sse(
         yield "data: [DONE]\n\n"
 
     async def chunks() -> AsyncIterator[str]:
-        first, offset = True, 0
-        async for u in updates:
+        started, offsets = [False] * len(runs), [0] * len(runs)
+        prompt_tokens: dict[int, int] = {}
+        output_tokens = [0] * len(runs)
+        async for i, u in merged(runs):
             if chat:
-                delta = {"content": u.text} | ({"role": "assistant"} if first else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": u.finish_reason}
+                delta = {"content": u.text} | ({} if started[i] else {"role": "assistant"})
+                lp = None if u.logprobs is None else chat_logprobs(u.logprobs, token_text)
+                choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": u.finish_reason}
             else:
                 lp = None
-                if u.logprobs is not None and token_text is not None:
-                    lp = completion_logprobs(u.logprobs, token_text, offset)
-                    offset += sum(map(len, lp["tokens"]))  # token texts, as the full response counts them
-                choice = {"index": 0, "text": u.text, "logprobs": lp, "finish_reason": u.finish_reason}
-            first = False
+                if u.logprobs is not None:
+                    lp = completion_logprobs(u.logprobs, token_text, offsets[i])
+                    offsets[i] += sum(map(len, lp["tokens"]))  # token texts, as the full response counts them
+                choice = {"index": i, "text": u.text, "logprobs": lp, "finish_reason": u.finish_reason}
+            started[i] = True
             yield f"data: {json.dumps(head | {'choices': [choice]})}\n\n"
-            if u.finished and usage:
-                counts = {"prompt_tokens": u.num_prompt_tokens, "completion_tokens": u.num_output_tokens}
-                yield f"data: {json.dumps(head | {'choices': [], 'usage': usage_of(counts)})}\n\n"
+            if u.finished:
+                prompt_tokens[i // per_prompt], output_tokens[i] = u.num_prompt_tokens, u.num_output_tokens
+        if usage:
+            counts = {"prompt_tokens": sum(prompt_tokens.values()), "completion_tokens": sum(output_tokens)}
+            yield f"data: {json.dumps(head | {'choices': [], 'usage': usage_of(counts)})}\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -121,7 +121,7 @@ def test_streamed_text_offsets_equal_the_full_responses(url):
         ({"prompt": "word " * 400}, 400, "max_model_len is 256"),
         ({"prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
         ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
-        ({"prompt": "hi", "n": 3}, 400, "n"),
+        ({"prompt": "hi", "n": 65}, 400, "n"),
         ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
         ({"prompt": [1, 2, 99999]}, 400, "token ids"),
         ({"prompt": ""}, 400, "empty"),
