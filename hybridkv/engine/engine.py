@@ -149,6 +149,8 @@ class LLMEngine:
         `constraint`: the request's structured-output constraint as `compile_grammar` returned it (else it is
         compiled here, on the caller's thread)."""
         ids = self.check_prompt(prompt)
+        if params.logit_bias and max(t for t, _ in params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"logit_bias names token ids outside this model's vocabulary [0, {self.vocab_size})")
         if isinstance(kv_transfer_params, dict):
             (kv_transfer_params,) = self.accept_transfer_params(kv_transfer_params)
         rid = request_id or f"req-{next(self._ids)}"

@@ -13,6 +13,7 @@ SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): dividi
 MAX_STOP_STRINGS = 128
 MAX_STOP_CHARS = 16 << 10  # all stop strings together
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per time a token was generated
     repetition_penalty: float = 1.0  # tokens in the prompt or output: positive logits divided by it, others times
     structured_outputs: StructuredOutputs | None = None  # the output must match a JSON schema, regex, ...
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit before sampling), OpenAI's
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +73,13 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError(f"structured_outputs must be a StructuredOutputs, got {self.structured_outputs!r}")
+        bias = tuple(self.logit_bias.items()) if isinstance(self.logit_bias, dict) else tuple(self.logit_bias)
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are taken")
+        for t, b in self.logit_bias:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias maps token ids (>= 0) to biases in [-100, 100], got {t!r}: {b}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
 

@@ -1,4 +1,4 @@
-"""Sampler: penalties, then greedy, temperature, top-k, top-p, with a per-request seed."""
+"""Sampler: penalties and logit_bias, then greedy, temperature, top-k, top-p, with a per-request seed."""
 
 from __future__ import annotations
 
@@ -40,11 +40,14 @@ def sample(
     its best few tokens settles the choice; at a temperature alone, when a draw from the whole row is forbidden.
     With top-k or top-p it is masked first."""
     logits = logits.float()
-    if any(banned) or any(p.penalized for p in params):
+    if any(banned) or any(p.penalized or p.logit_bias for p in params):
         logits = logits.clone()  # the caller's logits stay raw (logprobs read them), and may be inference tensors
     for i, p in enumerate(params):
         if p.penalized:
             logits[i] = _guarded(errors, i, logits[i], penalize, logits[i], p, *history[i])
+        if p.logit_bias:  # OpenAI's logit_bias: added to the logits, before everything that picks
+            ids, biases = zip(*p.logit_bias)
+            logits[i, list(ids)] += torch.tensor(biases)
     for i, ids in enumerate(banned):
         if ids:
             logits[i, list(ids)] = float("-inf")

@@ -116,8 +116,10 @@ class _Sampling(BaseModel):
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        try:
+            bias = {int(t): b for t, b in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
         try:
             return SamplingParams(
                 max_tokens=self._max_tokens() or default_max_tokens,
@@ -134,9 +136,10 @@ class _Sampling(BaseModel):
                 repetition_penalty=self.repetition_penalty,
                 logprobs=self._logprobs(),
                 structured_outputs=self._structured(),
+                logit_bias=tuple(bias.items()),
             )
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            raise APIError(400, str(e), param="logit_bias" if "logit_bias" in str(e) else None) from e
 
     def _structured(self) -> StructuredOutputs | None:
         """The one constraint the request asks for, from whichever field states it; none, or a 400."""

@@ -110,3 +110,18 @@ def test_bad_n_and_logprobs_are_400s_naming_the_field(url, path, extra, field):
     body = {"prompt": PROMPT} if path == "completions" else {"messages": [{"role": "user", "content": PROMPT}]}
     r = httpx.post(f"{url}/v1/{path}", json=body | extra, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_logit_bias_moves_the_choice(url):
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    plain = post(url, "completions", body)["choices"][0]
+    tokens = plain["logprobs"]["tokens"]
+    forced = post(url, "completions", body | {"logit_bias": {"42": 100}})["choices"][0]
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": forced["text"]}, timeout=30).json()["tokens"]
+    assert set(ids) == {42}, ids  # +100 on one id: it wins every step
+    banned_first = httpx.post(f"{url}/tokenize", json={"prompt": tokens[0]}, timeout=30).json()["tokens"]
+    moved = post(url, "completions", body | {"logit_bias": {str(banned_first[-1]): -100}})["choices"][0]
+    assert moved["logprobs"]["tokens"][0] != tokens[0]
+    for bias, says in (({"x": 1}, "token ids"), ({"5": 101}, "[-100, 100]"), ({"99999999": 1}, "vocabulary")):
+        r = httpx.post(f"{url}/v1/completions", json=body | {"logit_bias": bias}, timeout=60)
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
