@@ -23,8 +23,10 @@ from hybridkv.cli.vllm_flags import (
     check_vllm_flags,
     resolve_memory,
     resolve_model,
+    tool_parser,
 )
 from hybridkv.kv.layout import KV_LAYOUTS
+from hybridkv.serve.tools import TOOL_PARSERS
 
 
 def serve(
@@ -65,6 +67,12 @@ def serve(
             help="largest request body taken (413 beyond); default: the largest legal one-prompt request for the "
             "model and max_model_len (at least 1 MiB; the start-up log says how large)",
         ),
+    ] = None,
+    enable_auto_tool_choice: Annotated[
+        bool, typer.Option(help='tool_choice "auto" (the default when a chat gives tools): needs --tool-call-parser')
+    ] = False,
+    tool_call_parser: Annotated[
+        str | None, typer.Option(help=f"how auto tool calls are found in the output: {' | '.join(TOOL_PARSERS)}")
     ] = None,
     chat_template: Annotated[
         str | None,
@@ -158,6 +166,7 @@ def serve(
     try:
         folder = resolve_model(model_argument, model) or str(DEFAULT_MODEL_DIR)
         check_vllm_flags(tensor_parallel_size, enable_chunked_prefill)
+        parser = tool_parser(enable_auto_tool_choice, tool_call_parser)
         config = EngineConfig(
             model=folder,
             dtype=dtype,
@@ -193,7 +202,7 @@ def serve(
     async_engine = AsyncEngine(engine, names[0], log_stats=not disable_log_stats)
     try:
         app = build_app(async_engine, names, api_key, enable_admin, host, max_request_bytes, api_key_metrics,
-                        salt_by_api_key, hide_prefix_cache_metrics, chat_template)  # fmt: skip
+                        salt_by_api_key, hide_prefix_cache_metrics, chat_template, parser)  # fmt: skip
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e

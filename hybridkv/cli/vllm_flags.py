@@ -114,3 +114,14 @@ def check_vllm_flags(tensor_parallel_size: int, enable_chunked_prefill: bool) ->
         )
     if not enable_chunked_prefill:
         log.warning("--no-enable-chunked-prefill ignored: prefill is always chunked by --max-num-batched-tokens")
+
+
+def tool_parser(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> str | None:
+    """The parser tool_choice "auto" uses, or None (auto is then refused per request, as in vLLM)."""
+    from hybridkv.serve.tools import TOOL_PARSERS
+
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {tool_call_parser!r}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (" + " | ".join(TOOL_PARSERS) + ")")
+    return tool_call_parser if enable_auto_tool_choice else None

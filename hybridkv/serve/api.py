@@ -37,7 +37,11 @@ from hybridkv.serve.responses import (
     sse,
     until_disconnected,
     usage_of,
+    whole_sse,
 )
+from hybridkv.serve.tools import ToolChoice, resolve_choice
+from hybridkv.serve.tools import answer as tool_answer
+from hybridkv.serve.tools import constraint as tool_constraint
 from hybridkv.structured.constraints import Compiled
 
 DEFAULT_MAX_TOKENS = 16
@@ -54,6 +58,7 @@ def build_app(
     salt_by_api_key: bool = True,
     hide_prefix_cache_metrics: bool = False,
     chat_template: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """`model_name`: the served name, or several (vLLM's --served-model-name a b: requests may name any, responses
     name the first); `api_key`: one key or several (each a tenant: with several, each gets its own prefix cache unless
@@ -61,7 +66,8 @@ def build_app(
     on); `max_request_bytes`: None derives it from the model (serve/limits.py); `api_key_metrics`: /metrics needs
     an API key too (by default scrapers read it without one, as in vLLM); `hide_prefix_cache_metrics`: /metrics
     leaves out the counters that tell a reader whether a prompt hit a cache; `chat_template`: a file or inline
-    Jinja text that replaces the model's (a ValueError here when it does not parse)."""
+    Jinja text that replaces the model's (a ValueError here when it does not parse); `tool_call_parser`: how
+    tool_choice "auto" finds calls in a free output (`serve/tools.TOOL_PARSERS`; None: "auto" is a 400)."""
     app = FastAPI(title="hybridkv")
     names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
     model_name = names[0]
@@ -164,22 +170,39 @@ def build_app(
         extra = {"kv_transfer_params": merged} if merged else {}
         return head | {"choices": choices, "usage": usage_of(counts)} | extra
 
+    def tool_choice(req: ChatRequest) -> ToolChoice | None:
+        try:
+            return resolve_choice(req.tools, req.tool_choice, tool_call_parser is not None)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from e
+
+    def with_tools(params: SamplingParams, req: ChatRequest, choice: ToolChoice | None) -> SamplingParams:
+        """A required or named tool call is a structured output; another constraint besides it is a 400."""
+        spec = None if choice is None else tool_constraint(req.tools or [], choice, req.parallel_tool_calls)
+        if spec is None:
+            return params
+        if params.structured_outputs is not None:
+            raise APIError(400, "tool_choice and a structured-output field both constrain the output: give one",
+                           param="tool_choice")  # fmt: skip
+        return replace(params, structured_outputs=spec)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await require_json(request, ChatRequest)
         check_model(req.model, names)
         n, runs = req.sequences()
         checked(limits.check_batch, runs)
-        ids = await prompt_ids(await chat_ids(engine, limits, renderer, req.messages))
+        choice = tool_choice(req)
+        ids = await prompt_ids(await chat_ids(engine, limits, renderer, req.messages, req.tools))
         asked = req.max_tokens is not None or req.max_completion_tokens is not None
-        params = within_context(await sampling_params(request, req), len(ids), asked)
+        params = within_context(with_tools(await sampling_params(request, req), req, choice), len(ids), asked)
         constraint = await compile_constraint(params)
         (kv,) = transfer_params(req.kv_transfer_params, 1)
         head = meta("chatcmpl", "chat.completion", model_name)
         salt = tenant_salt(request, req.cache_salt)
         seqs = [engine.generate(ids, sp, kv, salt, constraint) for sp in sequence_params(params, runs, runs > n)]
-        if req.stream:
-            usage = req.stream_options is not None and req.stream_options.include_usage
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        if req.stream and choice in (None, "none"):
             chunk_head = head | {"object": "chat.completion.chunk"}
             return sse(seqs, chunk_head, chat=True, usage=usage, token_text=token_text, per_prompt=runs)
         results = await until_disconnected(request, asyncio.gather(*(collect(r) for r in seqs)))
@@ -187,11 +210,13 @@ def build_app(
         choices, completion_tokens = [], 0
         for j, (text, last, entries) in enumerate(kept):
             lp = None if req.logprobs is False else chat_logprobs(entries, token_text)
-            message = {"role": "assistant", "content": text}
-            choices.append({"index": j, "message": message, "logprobs": lp, "finish_reason": last.finish_reason})
+            message, finish = tool_answer(text, last.finish_reason, choice, tool_call_parser)
+            choices.append({"index": j, "message": message, "logprobs": lp, "finish_reason": finish})
             completion_tokens += last.num_output_tokens
         last = results[0][1]
         counts = {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": completion_tokens}
+        if req.stream:
+            return whole_sse(head | {"object": "chat.completion.chunk"}, choices, usage_of(counts) if usage else None)
         extra = {"kv_transfer_params": last.kv_transfer_params} if last.kv_transfer_params else {}
         return head | {"choices": choices, "usage": usage_of(counts)} | extra
 
@@ -209,7 +234,7 @@ def build_app(
     async def render_chat(request: Request) -> dict:
         req = await require_json(request, ChatRequest)
         check_model(req.model, names)
-        ids = await prompt_ids(await chat_ids(engine, limits, renderer, req.messages))
+        ids = await prompt_ids(await chat_ids(engine, limits, renderer, req.messages, req.tools))
         return {"model": model_name, "token_ids": ids, "features": None}
 
     return app

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hybridkv.request.sampling_params import MAX_LOGPROBS, SamplingParams
+from hybridkv.serve.tools import Tool, ToolCallIn, ToolChoice
 from hybridkv.structured.spec import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ class APIError(Exception):
 MAX_N = 64  # n and best_of at most (a request's sequences also count against the batch limit)
 STRICT = ConfigDict(strict=True)  # no coercion: `max_tokens: true` or `"seed": "3"` is a 400, not 1 or 3
 # OpenAI fields a client relies on when it sends them: refused by name rather than silently ignored.
-UNSUPPORTED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "suffix", "audio",
+UNSUPPORTED = ("functions", "function_call", "suffix", "audio",
                "modalities", "prediction", "web_search_options", "guided_decoding_backend",
                "guided_whitespace_pattern", "structural_tag")  # fmt: skip
 ANY = object()
@@ -196,6 +197,14 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: Any = None  # chat only: refused here by name
+    tool_choice: Any = None
+
+    @model_validator(mode="after")
+    def _no_tools(self) -> CompletionRequest:
+        if self.tools is not None or self.tool_choice is not None:
+            raise ValueError("tools and tool_choice are for /v1/chat/completions")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of a batch (a list of strings or of token-id lists), or the one prompt."""
@@ -215,13 +224,22 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = STRICT
     role: str
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=128)  # an assistant's calls, sent back
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message needs content (null only for an assistant message with tool_calls)")
+        return self
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, content: str | list[TextPart]) -> str:
+    def _text_only(cls, content: str | list[TextPart] | None) -> str | None:
         """OpenAI content parts: text parts are joined; other kinds (images, audio) are not supported."""
-        if isinstance(content, str):
+        if content is None or isinstance(content, str):
             return content
         kinds = {p.type for p in content} - {"text"}
         if kinds:
@@ -234,6 +252,9 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -156,3 +156,23 @@ def sse(
             yield f"data: {json.dumps(head | {'choices': [], 'usage': usage_of(counts)})}\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def whole_sse(head: dict, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> StreamingResponse:
+    """A finished chat answer as an SSE stream: per choice one delta with its whole message (tool calls are sent
+    once they parse, so they come in one piece), one with its finish reason; then the usage, if asked."""
+
+    async def events() -> AsyncIterator[str]:
+        for c in choices:
+            message = c["message"]
+            calls = [{"index": k} | call for k, call in enumerate(message.get("tool_calls", []))]
+            delta = {"role": "assistant", "content": message["content"]} | ({"tool_calls": calls} if calls else {})
+            first = {"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}
+            yield f"data: {json.dumps(head | {'choices': [first]})}\n\n"
+            last = {"index": c["index"], "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"]}
+            yield f"data: {json.dumps(head | {'choices': [last]})}\n\n"
+        if usage is not None:
+            yield f"data: {json.dumps(head | {'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -32,7 +32,7 @@ INVALID = [
     ({"seed": "3"}, "seed"),
     ({"temperature": -1}, "temperature"),
     ({"top_p": 2}, "top_p"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"logit_bias": {"1": 500}}, "logit_bias"),
     ({"response_format": {"type": "json_schema", "json_schema": BAD_SCHEMA}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"suffix": "!"}, "suffix"),
