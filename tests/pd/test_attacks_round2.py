@@ -10,12 +10,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from tests.pd.attack_util import ATTACKER, MODEL, PUBLIC, resign, stats, text
 from tests.pd.pd_util import HELDOUT, assert_clean, complete, prefill_only, server
 from tests.procs import free_port
+from tests.serve.siege import HealthProbe
 
 HEALTH_S = 0.1  # the longest /health may take during an attack
 
@@ -63,22 +63,16 @@ def forged(template: dict) -> dict:
 
 def under_load(d, send, threads: int, count: int, during=None) -> tuple[list[float], list[dict], object]:
     """`threads` clients calling `send()` until `count` answers came back, then `during()` (while they go on),
-    then stop; /health is timed every 20 ms throughout. (/health times, answers, what `during` returned)."""
-    stop, health, answers = threading.Event(), [], []
-
-    def probe() -> None:
-        while not stop.is_set():
-            start = time.monotonic()
-            assert httpx.get(f"{d.url}/health", timeout=5).status_code == 200
-            health.append(time.monotonic() - start)
-            time.sleep(0.02)
+    then stop; /health is timed every ~10 ms throughout, from another process (the clients' GIL is not measured).
+    (/health times, answers, what `during` returned)."""
+    stop, answers = threading.Event(), []
 
     def client() -> None:
         while not stop.is_set():
             answers.append(send())
 
-    with ThreadPoolExecutor(threads + 1) as pool:
-        running = [pool.submit(probe), *(pool.submit(client) for _ in range(threads))]
+    with HealthProbe(d.url) as probe, ThreadPoolExecutor(threads) as pool:
+        running = [pool.submit(client) for _ in range(threads)]
         deadline = time.monotonic() + 60
         while len(answers) < count and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -87,7 +81,7 @@ def under_load(d, send, threads: int, count: int, during=None) -> tuple[list[flo
         stop.set()
         for f in running:
             f.result()
-    return health, answers, result
+    return probe.latencies, answers, result
 
 
 def test_forged_peers_cannot_use_up_the_decoders_peer_slots(open_mesh):
@@ -114,7 +108,7 @@ def test_forged_peers_cannot_use_up_the_decoders_peer_slots(open_mesh):
             f"max {max(health) * 1000:.0f} ms over {len(health)} probes (same load without params: max "
             f"{max(baseline) * 1000:.0f} ms); {refused:.0f} peer jobs refused"
         )
-        assert max(health) < max(HEALTH_S, 2 * max(baseline)), (sorted(health)[-5:], sorted(baseline)[-5:])
+        assert max(health) < HEALTH_S, (sorted(health)[-5:], sorted(baseline)[-5:])
         assert_clean(p, fresh, d)
         assert stats(p)["kv_leases_held"] == stats(fresh)["kv_leases_held"] == 0
     finally:
