@@ -13,7 +13,7 @@ from hybridkv.engine.chunking import CHECKPOINT_POLICIES
 from hybridkv.events.config import KVEventsConfig
 from hybridkv.kv.hash_algos import hash_algo
 from hybridkv.kv.hashing import DEFAULT_HASH_ALGO
-from hybridkv.kv.layout import KV_LAYOUTS
+from hybridkv.kv.layout import normalize_layout
 from hybridkv.kv.state import STATE_DTYPES
 from hybridkv.structured.config import StructuredOutputsConfig
 from hybridkv.units import parse_bytes
@@ -67,8 +67,7 @@ class EngineConfig:
         object.__setattr__(
             self, "structured_outputs_config", StructuredOutputsConfig.parse(self.structured_outputs_config)
         )
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        object.__setattr__(self, "kv_layout", normalize_layout(self.kv_layout))
         hash_algo(self.prefix_caching_hash_algo)  # a ValueError naming the choices
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")

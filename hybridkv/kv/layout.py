@@ -18,10 +18,11 @@ from collections.abc import Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
+from hybridkv.kv.layout_names import KV_LAYOUTS, normalize_layout
 from hybridkv.kv.plan import KVGroup, KVTensor
 from hybridkv.kv.spec import KVSpec
 
-KV_LAYOUTS = ("auto", "per-layer", "packed")
+__all__ = ["KV_LAYOUTS", "normalize_layout"]  # the names live in layout_names (kv.plan reads them too)
 CROSS_LAYERS_KEY = "enable_cross_layers_blocks"
 
 
@@ -44,8 +45,7 @@ def cross_layers_enabled(extra_config: Mapping[str, Any] | None) -> bool:
 def choose_layout(requested: str, cross_layers: bool, groups: Sequence[KVGroup], specs: Sequence[KVSpec]) -> str:
     """`auto` is packed when cross-layer blocks are enabled on a multi-group model, and always when all
     specs are one uniform type whose page sizes differ. `per-layer` and `packed` force a layout."""
-    if requested not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {requested!r}")
+    requested = normalize_layout(requested)
     if requested != "auto":
         return requested.replace("-", "_")
     uniform_type = len({s.group_key for s in specs}) == 1

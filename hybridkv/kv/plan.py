@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
+from hybridkv.kv.layout_names import vllm_layout_name
 from hybridkv.kv.spec import AttentionSpec, KVSpec
 from hybridkv.kv.state_plan import StateLayout, StateSlot
 
@@ -178,6 +179,7 @@ class KVPlan:
         return {
             "num_blocks": self.num_blocks,
             "layout": self.layout,
+            "vllm_layout": vllm_layout_name(self.layout),
             "block_size": self.block_size,
             "bytes_per_block": self.bytes_per_block,
             "total_bytes": self.total_bytes,

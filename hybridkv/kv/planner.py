@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridkv.kv.layout import KV_LAYOUTS, build_tensors, choose_layout
+from hybridkv.kv.layout import build_tensors, choose_layout, normalize_layout
 from hybridkv.kv.model_kv import ModelKV, model_kv_from_hf
 from hybridkv.kv.plan import KVGroup, KVPlan, StateLayout
 from hybridkv.kv.spec import KVSpec, cdiv
@@ -31,7 +31,7 @@ class CacheConfig:
     memory_bytes: int
     max_model_len: int
     max_num_batched_tokens: int = 2048
-    kv_layout: str = "auto"  # auto | per-layer | packed
+    kv_layout: str = "auto"  # auto | per-layer | packed, or vLLM's name of one (`kv.layout_names`)
     enable_cross_layers_blocks: bool = False
 
     def __post_init__(self) -> None:
@@ -41,8 +41,7 @@ class CacheConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        object.__setattr__(self, "kv_layout", normalize_layout(self.kv_layout))
 
 
 Bucket = list[tuple[int, KVSpec]]

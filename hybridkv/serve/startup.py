@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from hybridkv.kv.hashing import DEFAULT_HASH_ALGO
+from hybridkv.kv.layout_names import vllm_layout_name
 from hybridkv.kv.model_kv import load_hf_config
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.loader import resolve_dtype
@@ -189,7 +190,9 @@ def plan_lines(plan: KVPlan) -> list[str]:
             f"(id {st.group}) of {st.num_pages}-page bundles ({format_bytes(st.bytes_per_request)} with padding); "
             f"prefills split at multiples of {st.align} tokens"
         )
-    lines.append(f"KV layout: {plan.layout} ({_n(len(plan.buffer_sizes), 'buffer')})")
+    lines.append(
+        f"KV layout: {plan.layout} ({_n(len(plan.buffer_sizes), 'buffer')}; vLLM's {vllm_layout_name(plan.layout)})"
+    )
     return lines
 
 

@@ -78,7 +78,8 @@ def test_lines_say_what_a_float32_engine_chose(tiny_gemma4, monkeypatch):
         f"block size 16, {plan.num_blocks} blocks x {format_bytes(plan.bytes_per_block)} = "
         f"{format_bytes(plan.total_bytes)}; max concurrency {plan.max_concurrency:.2f} at 256 tokens"
     ) in lines[5]
-    assert lines[6] == f"KV layout: {plan.layout} ({len(plan.buffer_sizes)} buffer{'s' * (len(plan.buffer_sizes) > 1)})"
+    buffers = f"{len(plan.buffer_sizes)} buffer{'s' * (len(plan.buffer_sizes) > 1)}"
+    assert lines[6] == f"KV layout: {plan.layout} ({buffers}; vLLM's {'BLNHC' if plan.layout == 'packed' else 'LBNHC'})"
     assert lines[7] == "block hashes: hybridkv (fixed root)"
     assert lines[8] == "connectors: OffloadingConnector (kv_both)"
     assert len(lines) == 9
