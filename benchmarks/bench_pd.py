@@ -59,8 +59,8 @@ def auth_overhead(folder: Path, length: int, repeats: int, rng: random.Random) -
         for i in range(repeats + 1):  # the first round warms up (handshakes); who goes first alternates
             for name in list(meshes)[:: 1 if i % 2 else -1]:
                 times[name].append(ttft(meshes[name][2].url, [rng.randrange(4, 512) for _ in range(length)]))
-        reads = {name: connector(d)["kv_transfer_reads"] for name, (_, d, _) in meshes.items()}
-        failures = {name: connector(d)["kv_transfer_failures"] for name, (_, d, _) in meshes.items()}
+        reads = {name: connector(d)["kv_transfer_reads_total"] for name, (_, d, _) in meshes.items()}
+        failures = {name: connector(d)["kv_transfer_failures_total"] for name, (_, d, _) in meshes.items()}
     finally:
         for procs in meshes.values():
             for proc in procs[::-1]:
@@ -191,12 +191,12 @@ def main() -> None:
     print("".join(f"{h:>10}" for h in head))
     for layout, length, one, pd, stats in rows:
         s = stats[-1]  # the same bytes and descriptors every repeat (fresh prompts of one length)
-        mb = s["kv_transfer_bytes"] / 1e6
-        total = [max(t["kv_transfer_seconds"], 1e-9) for t in stats]
-        gbps = statistics.median(t["kv_transfer_bytes"] / sec / 1e9 for t, sec in zip(stats, total))
+        mb = s["kv_transfer_bytes_total"] / 1e6
+        total = [max(t["kv_transfer_seconds_total"], 1e-9) for t in stats]
+        gbps = statistics.median(t["kv_transfer_bytes_total"] / sec / 1e9 for t, sec in zip(stats, total))
         print(
             f"{layout:>10}{length:>10}{one * 1e3:>9.0f}ms{pd * 1e3:>9.0f}ms{pd / one:>10.2f}{mb:>10.2f}"
-            f"{s['kv_transfer_blocks']:>10.0f}{s['kv_transfer_descriptors']:>10.0f}{unmerged[layout][length]:>10.0f}"
+            f"{s['kv_transfer_blocks_total']:>10.0f}{s['kv_transfer_descriptors_total']:>10.0f}{unmerged[layout][length]:>10.0f}"
             f"{statistics.median(total) * 1e3:>10.1f}{gbps:>10.2f}{raw_gbps[big]:>10.2f}{gbps / raw_gbps[big]:>10.0%}"
         )
     for layout, use in idle.items():
@@ -212,7 +212,7 @@ def main() -> None:
         print(f"descriptors per block of each group, Gemma-4-E2B-like, {layout}: {per_block}")
     for length in args.lengths:
         need, every, scaled = theory[length]
-        moved = next(s[-1]["kv_transfer_bytes"] for lay, n, _, _, s in rows if n == length and lay == "packed")
+        moved = next(s[-1]["kv_transfer_bytes_total"] for lay, n, _, _, s in rows if n == length and lay == "packed")
         print(
             f"  {length:>6} tokens: moved {moved / 1e6:.2f} MB = needed {need / 1e6:.2f} MB; every block "
             f"{every / 1e6:.2f} MB ({every / need:.1f}x); 256-token sliding blocks {scaled / 1e6:.2f} MB"

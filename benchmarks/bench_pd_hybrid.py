@@ -71,8 +71,8 @@ def main() -> None:
                     before = connector(d)
                     pd.append(ttft(x.url, [rng.randrange(4, vocab) for _ in range(length)]))
                     after = connector(d)
-                    moved.append((after["kv_transfer_bytes"] - before["kv_transfer_bytes"],
-                                  after["kv_transfer_descriptors"] - before["kv_transfer_descriptors"]))  # fmt: skip
+                    moved.append((after["kv_transfer_bytes_total"] - before["kv_transfer_bytes_total"],
+                                  after["kv_transfer_descriptors_total"] - before["kv_transfer_descriptors_total"]))  # fmt: skip
                 sent = params_bytes(p, d, [rng.randrange(4, vocab) for _ in range(length)])
                 rows.append((layout, length, statistics.median(one), statistics.median(pd), moved[-1], sent))
         finally:

@@ -261,12 +261,14 @@ class LLMEngine:
 
     def _step(self) -> list[Request]:
         finished = self._poll_connector()
+        self.step_tokens = 0
         output = self.scheduler.schedule()
         if output.is_empty:
             if self.connector is not None and not finished and self.scheduler.has_unfinished():
                 self.connector.wait(0.002)  # loads in flight: let them progress without spinning
             return self._collect(finished)
         req_ids, logits = self.runner.run(output)
+        self.step_tokens = sum(len(c.token_ids) for c in output.chunks)  # vllm:iteration_tokens_total
         reqs = [self.scheduler.requests[r] for r in req_ids]
         banned = [
             r.eos_token_ids + r.params.stop_token_ids if len(r.output_token_ids) < r.params.min_tokens else ()

@@ -196,6 +196,10 @@ class Scheduler:
         if req.request_id not in self._prompt_counted:
             self._prompt_counted.add(req.request_id)
             self.stats.prompt_tokens += req.num_prompt_tokens
+            self.stats.prompt_local_hit_tokens += hit.num_tokens
+            req.num_cached_tokens = hit.num_tokens
+            if self.connector is not None:
+                self.stats.external_query_tokens += req.num_prompt_tokens - hit.num_tokens
 
     def _start_load(self, req: Request, hit: PrefixHit, external: int) -> bool:
         """Allocate the whole prompt (loaded tokens outside a sliding window take no block) and hand the
@@ -223,6 +227,7 @@ class Scheduler:
             if ok:
                 req.num_computed_tokens += req.num_external_tokens
                 self.stats.external_hit_tokens += req.num_external_tokens
+                req.num_cached_tokens += req.num_external_tokens
                 self._cache_blocks(req, self.chunking.publishable(req, req.num_computed_tokens))
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)

@@ -28,6 +28,9 @@ class SchedulerStats:
     prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admission
     prefix_hit_tokens: int = 0
     external_hit_tokens: int = 0  # prompt tokens loaded by a connector instead of computed
+    # At first admission: prompt tokens found in the local prefix cache, and those then asked of a connector.
+    prompt_local_hit_tokens: int = 0
+    external_query_tokens: int = 0
     kv_load_failures: int = 0
 
 

@@ -32,6 +32,8 @@ class EngineStats:
     preemptions: int = 0
     external_hit_tokens: int = 0
     kv_load_failures: int = 0
+    prompt_local_hit_tokens: int = 0  # prompt tokens found cached at first admission
+    external_query_tokens: int = 0  # prompt tokens asked of a connector at first admission
     connector: dict[str, float] = field(default_factory=dict)
     integrity: str | None = None  # "ok" or "violated: ..." when the snapshot checked the invariants
 
@@ -73,6 +75,8 @@ def snapshot(
         preemptions=s.num_preemptions,
         external_hit_tokens=st.external_hit_tokens,
         kv_load_failures=st.kv_load_failures,
+        prompt_local_hit_tokens=st.prompt_local_hit_tokens,
+        external_query_tokens=st.external_query_tokens,
         connector=connector.metrics() if connector is not None else {},
         integrity=integrity,
     )

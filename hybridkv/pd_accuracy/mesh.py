@@ -123,7 +123,7 @@ def counters(p: Process) -> Counters:
     text = httpx.get(f"{p.url}/metrics", timeout=30).text
     (tokens,) = (s.value for f in text_string_to_metric_families(text) for s in f.samples
                  if s.name == "vllm:prompt_tokens_total")  # fmt: skip
-    return Counters(int(c["kv_transfer_reads"]), int(c["kv_transfer_failures"]), int(tokens))
+    return Counters(int(c["kv_transfer_reads_total"]), int(c["kv_transfer_failures_total"]), int(tokens))
 
 
 def settle(procs: list[Process], timeout: float = 15) -> list[str]:

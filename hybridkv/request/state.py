@@ -68,6 +68,7 @@ class Request:
         # Connector state: what the client sent, how many tokens a connector is loading, what goes back.
         self.kv_transfer_params = kv_transfer_params  # what the connector's accept_transfer_params returned
         self.num_external_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens not computed: local prefix hit at first admission + loaded
         self.kv_transfer_params_out: dict | None = None
         self.error: str | None = None
         # Recurrent-state plans: a prefill chunk also ends here (where the prompt branches off cached history).

@@ -149,7 +149,7 @@ def build_app(
         seqs = [
             engine.generate(p, sp, kv_i, salt, constraint)
             for p, kv_i in zip(ids, kv)
-            for sp in sequence_params(within_context(base, len(p), asked), runs, runs > n)
+            for sp in sequence_params(within_context(base, len(p), asked), runs, n)
         ]
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
@@ -200,7 +200,7 @@ def build_app(
         (kv,) = transfer_params(req.kv_transfer_params, 1)
         head = meta("chatcmpl", "chat.completion", model_name)
         salt = tenant_salt(request, req.cache_salt)
-        seqs = [engine.generate(ids, sp, kv, salt, constraint) for sp in sequence_params(params, runs, runs > n)]
+        seqs = [engine.generate(ids, sp, kv, salt, constraint) for sp in sequence_params(params, runs, n)]
         usage = req.stream_options is not None and req.stream_options.include_usage
         if req.stream and choice in (None, "none"):
             chunk_head = head | {"object": "chat.completion.chunk"}

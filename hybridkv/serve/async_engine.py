@@ -22,7 +22,7 @@ from hybridkv.request.outputs import TokenLogprob
 from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.request.state import Request
 from hybridkv.serve.compile_pool import CompilePool
-from hybridkv.serve.metrics import EngineMetrics
+from hybridkv.serve.metrics import EngineMetrics, cache_info
 from hybridkv.serve.stats_log import StatsLog
 from hybridkv.structured.constraints import Compiled
 from hybridkv.structured.spec import StructuredOutputs
@@ -100,7 +100,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stopped = False
-        self.metrics = EngineMetrics(model_name or Path(engine.config.model).name, engine.max_model_len)
+        name = model_name or Path(engine.config.model).name
+        self.metrics = EngineMetrics(name, engine.max_model_len, cache_info(engine))
         self._stats, self._stats_time = engine.stats(), time.monotonic()
         self.stats_log = StatsLog(self._stats, self._stats_time) if log_stats else None
         engine.set_waker(self._wake.set)
@@ -210,6 +211,8 @@ class AsyncEngine:
                     self.engine.step()  # idle: only the connector's releases and expired leases
                     continue
                 self.engine.step()
+                if self.engine.step_tokens:
+                    self.metrics.iteration.observe(self.engine.step_tokens)
                 now = time.monotonic()
                 if now - self._stats_time >= STATS_EVERY_S:
                     self._snapshot(now)

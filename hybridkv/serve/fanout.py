@@ -19,13 +19,14 @@ from hybridkv.request.sampling_params import SamplingParams
 T = TypeVar("T")
 
 
-def sequence_params(params: SamplingParams, count: int, ranked: bool) -> list[SamplingParams]:
-    """The params of a prompt's `count` sequences; `ranked`: best_of > n (their logprobs are needed)."""
+def sequence_params(params: SamplingParams, count: int, n: int) -> list[SamplingParams]:
+    """The params of a prompt's `count` sequences, of which `n` return (count > n: best_of, ranked by logprobs)."""
+    ranked = count > n
     if ranked and params.logprobs is None:
         params = replace(params, logprobs=0)
-    if params.seed is None:
-        return [params] * count
-    return [replace(params, seed=(params.seed + j) % 2**64) for j in range(count)]
+    # `extra` tells /metrics the request's n once (vllm:request_params_n), from its first sequence.
+    seeds = [None if params.seed is None else (params.seed + j) % 2**64 for j in range(count)]
+    return [replace(params, seed=seed, extra={"n": n, "sequence": j}) for j, seed in enumerate(seeds)]
 
 
 def mean_logprob(entries: Sequence[TokenLogprob]) -> float:

@@ -14,6 +14,7 @@ Every sample carries vLLM's labels `model_name` (the served name) and `engine` (
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,6 +22,9 @@ from prometheus_client.registry import Collector
 
 from hybridkv.engine.stats import EngineStats
 from hybridkv.request.state import Request
+
+if TYPE_CHECKING:
+    from hybridkv.engine.engine import LLMEngine
 
 LABELS = ("model_name", "engine")
 # vLLM's buckets (vllm/v1/metrics/loggers.py), in seconds.
@@ -31,6 +35,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 FINISH_REASONS = ("stop", "length", "abort", "error")
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 def buckets_1_2_5(limit: int) -> tuple[int, ...]:
@@ -52,10 +58,11 @@ def reveals_hits(name: str) -> bool:
 class _Snapshot(Collector):
     """The engine thread's last published EngineStats as metric families, built at scrape time."""
 
-    def __init__(self, labels: tuple[str, str]) -> None:
+    def __init__(self, labels: tuple[str, str], cache_info: dict[str, str]) -> None:
         self.labels = list(labels)
         self.stats = EngineStats()
         self.hide_prefix_hits = False
+        self.cache_info = cache_info
 
     def collect(self) -> Iterator[Metric]:
         for family in self._families():
@@ -76,8 +83,31 @@ class _Snapshot(Collector):
             family.add_metric(labels, value)
             return family
 
+        def by(name: str, doc: str, label: str, values: dict[str, float], kind=CounterMetricFamily) -> Metric:
+            family = kind(name, doc, labels=[*LABELS, label])
+            for key, value in values.items():
+                family.add_metric([*labels, key], value)
+            return family
+
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.waiting)
+        # capacity: waiting for blocks or a batch slot; deferred: holding blocks while a connector loads their KV.
+        yield by("vllm:num_requests_waiting_by_reason", "Requests waiting, by reason.", "reason",
+                 {"capacity": s.waiting, "deferred": s.waiting_for_kv}, GaugeMetricFamily)  # fmt: skip
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.",
+                                 labels=[*LABELS, *self.cache_info])  # fmt: skip
+        info.add_metric([*labels, *self.cache_info.values()], 1.0)
+        yield info
+        cached = s.prompt_local_hit_tokens + s.external_hit_tokens
+        yield counter("vllm:prompt_tokens_cached", "Prompt tokens whose KV was cached or loaded, not computed.", cached)
+        sources = {"local_compute": s.prompt_tokens - cached, "local_cache_hit": s.prompt_local_hit_tokens,
+                   "external_kv_transfer": s.external_hit_tokens}  # fmt: skip
+        yield by("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.", "source", sources)
+        cached_by = {k: v for k, v in sources.items() if k != "local_compute"}
+        yield by("vllm:prompt_tokens_cached_by_source", "Cached prompt tokens by source.", "source", cached_by)
+        yield counter("vllm:external_prefix_cache_queries", "Prompt tokens asked of a KV connector.",
+                      s.external_query_tokens)  # fmt: skip
+        yield counter("vllm:external_prefix_cache_hits", "Prompt tokens a KV connector had.", s.external_hit_tokens)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     s.blocks_used / total if total else 0.0)  # fmt: skip
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.", s.prefix_query_tokens)
@@ -107,13 +137,30 @@ class _Snapshot(Collector):
                 yield gauge(f"hybridkv_{name}", "KV connector gauge.", value)
 
 
+def cache_info(engine: LLMEngine) -> dict[str, str]:
+    """vllm:cache_config_info's labels: the cache config as vLLM names it (values as strings)."""
+    c, plan = engine.config, engine.plan
+    return {
+        "block_size": str(plan.block_size),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": str(c.enable_prefix_caching),
+        "gpu_memory_utilization": str(c.gpu_memory_utilization or ""),
+        "kv_cache_memory_bytes": str(plan.total_bytes),
+        "num_gpu_blocks": str(plan.num_blocks),
+        "prefix_caching_hash_algo": c.prefix_caching_hash_algo,
+    }
+
+
 class EngineMetrics:
     """The registry /metrics renders: one per server (tests run several in one process)."""
 
-    def __init__(self, model_name: str = "hybridkv", max_model_len: int = 8192) -> None:
+    def __init__(
+        self, model_name: str = "hybridkv", max_model_len: int = 8192, cache_info: dict[str, str] | None = None
+    ) -> None:
+        """`cache_info`: vllm:cache_config_info's labels (the cache config, as strings)."""
         self.registry = CollectorRegistry(auto_describe=True)
         values = (model_name, "0")
-        self._snapshot = _Snapshot(values)
+        self._snapshot = _Snapshot(values, dict(cache_info or {}))
         self.registry.register(self._snapshot)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
@@ -131,6 +178,15 @@ class EngineMetrics:
         self.prompt_len = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", tokens)
         self.output_len = histogram("vllm:request_generation_tokens", "Generated tokens per request.", tokens)
         self.max_tokens = histogram("vllm:request_params_max_tokens", "The max_tokens request parameter.", tokens)
+        self.max_generated = histogram("vllm:request_max_num_generation_tokens",
+                                       "Most tokens one of a request's sequences generated.", tokens)  # fmt: skip
+        self.params_n = histogram("vllm:request_params_n", "The n request parameter.", N_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Decode time per output token of a request, in seconds.", ITL_BUCKETS)  # fmt: skip
+        self.computed = histogram("vllm:request_prefill_kv_computed_tokens",
+                                  "Prompt tokens a request computed (not cached, not loaded).", tokens)  # fmt: skip
+        self.iteration = histogram("vllm:iteration_tokens_total", "Tokens computed per engine step.",
+                                   ITERATION_TOKEN_BUCKETS)  # fmt: skip
         success = Counter("vllm:request_success", "Finished requests, by finish reason.", [*LABELS, "finished_reason"],
                           registry=self.registry)  # fmt: skip
         self.success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
@@ -152,6 +208,10 @@ class EngineMetrics:
         self.prompt_len.observe(req.num_prompt_tokens)
         self.output_len.observe(len(req.output_token_ids))
         self.max_tokens.observe(req.params.max_tokens)
+        self.max_generated.observe(len(req.output_token_ids))
+        if req.params.extra.get("sequence", 0) == 0:  # a request's first sequence stands for it (`serve/fanout`)
+            self.params_n.observe(req.params.extra.get("n", 1))
+        self.computed.observe(max(0, req.num_prompt_tokens - req.num_cached_tokens))
         if req.scheduled_time is None:
             return
         self.queue.observe(req.scheduled_time - req.arrival_time)
@@ -159,6 +219,8 @@ class EngineMetrics:
         if req.first_token_time is not None:
             self.prefill.observe(req.first_token_time - req.scheduled_time)
             self.decode.observe(now - req.first_token_time)
+            if len(req.output_token_ids) > 1:
+                self.tpot.observe((now - req.first_token_time) / (len(req.output_token_ids) - 1))
 
     def render(self, stats: EngineStats) -> bytes:
         """The Prometheus text of `stats` (a snapshot the engine thread published) and of the histograms."""

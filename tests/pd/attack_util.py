@@ -54,8 +54,8 @@ def resign(params: dict, keys: MeshKeys, **changes) -> dict:
 
 COUNTERS = {
     "refused": "kv_transfer_params_refused_total",
-    "failures": "kv_transfer_failures",
-    "reads": "kv_transfer_reads",
+    "failures": "kv_transfer_failures_total",
+    "reads": "kv_transfer_reads_total",
 }
 LEASE_S = 3  # the prefill's kv_lease_s (pd_util.server): params older than this may name blocks already freed
 

@@ -57,9 +57,9 @@ def transfer_counters(decoder: Process) -> dict[str, float]:
     engine's prompt tokens loaded by a connector instead of computed, and its failed loads (/metrics)."""
     c, m = kv_state(decoder)["connector"], metrics(decoder)
     return {
-        "reads": c["kv_transfer_reads"],
-        "bytes": c["kv_transfer_bytes"],
-        "failures": c["kv_transfer_failures"],
+        "reads": c["kv_transfer_reads_total"],
+        "bytes": c["kv_transfer_bytes_total"],
+        "failures": c["kv_transfer_failures_total"],
         "external_hit_tokens": m["hybridkv_external_hit_tokens_total"],
         "load_failures": m["hybridkv_kv_load_failures_total"],
     }

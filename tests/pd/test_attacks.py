@@ -132,8 +132,8 @@ def test_a_connection_flood_and_a_slowloris_on_the_side_channel_do_not_stall_pd(
         through_proxy(x, prompts, secure_single)
         assert time.monotonic() - start < 20  # 8 requests, 4 at a time: no 5 s stalls
         after = stats(d)
-        assert after["kv_transfer_reads"] - before["kv_transfer_reads"] >= 6
-        assert after["kv_transfer_failures"] == before["kv_transfer_failures"]
+        assert after["kv_transfer_reads_total"] - before["kv_transfer_reads_total"] >= 6
+        assert after["kv_transfer_failures_total"] == before["kv_transfer_failures_total"]
         time.sleep(side_channel_server.CONNECTION_DEADLINE_S + 1.5)
         assert cut and stats(p)["kv_side_channel_busy_total"] > 0  # dropped: the oldest idle ones, and at deadlines
     finally:

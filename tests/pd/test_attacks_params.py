@@ -109,9 +109,11 @@ def test_params_cannot_redirect_a_known_engine_and_a_tampering_relay_fails_its_h
         assert text(out) == secure_single[VICTIM] and delta == {"refused": 0, "failures": 1, "reads": 0}, delta
         assert relay.connections >= 1  # a handshake went through it; its altered reply did not authenticate
         after = stats(d)
-        assert after["kv_transfer_reads"] == before["kv_transfer_reads"]
+        assert after["kv_transfer_reads_total"] == before["kv_transfer_reads_total"]
         through_proxy(x, [HELDOUT[53]["prompt"]], secure_single)
-        assert stats(d)["kv_transfer_reads"] > after["kv_transfer_reads"]  # PD goes on: p is still known at p
+        assert (
+            stats(d)["kv_transfer_reads_total"] > after["kv_transfer_reads_total"]
+        )  # PD goes on: p is still known at p
         assert_clean(p, d)
     finally:
         relay.sock.close()
@@ -141,11 +143,11 @@ def test_a_bad_port_or_a_deep_json_peer_never_wedges_pd(secure_mesh, secure_sing
         before = stats(d)
         deep = resign(prefill_only(p, VICTIM), KEYS, port=peer.port, engine_id="deep-json-peer")
         assert text(complete(d.url, VICTIM, kv_transfer_params=deep)) == secure_single[VICTIM]
-        assert stats(d)["kv_transfer_failures"] - before["kv_transfer_failures"] == 1
+        assert stats(d)["kv_transfer_failures_total"] - before["kv_transfer_failures_total"] == 1
     finally:
         peer.close()
     through_proxy(x, [HELDOUT[58]["prompt"]], secure_single)
-    assert stats(d)["kv_transfer_reads"] > before["kv_transfer_reads"]  # PD still moves KV
+    assert stats(d)["kv_transfer_reads_total"] > before["kv_transfer_reads_total"]  # PD still moves KV
     assert httpx.get(f"{d.url}/health").status_code == 200
     assert_clean(p, d)
 
@@ -179,8 +181,8 @@ def test_a_model_with_one_changed_tensor_is_another_model(secure_mesh, secure_si
         before = stats(d)
         assert text(complete(d.url, VICTIM, kv_transfer_params=params)) == secure_single[VICTIM]  # its own weights
         after = stats(d)
-        assert after["kv_transfer_reads"] == before["kv_transfer_reads"]
-        assert after["kv_transfer_failures"] - before["kv_transfer_failures"] == 1
+        assert after["kv_transfer_reads_total"] == before["kv_transfer_reads_total"]
+        assert after["kv_transfer_failures_total"] - before["kv_transfer_failures_total"] == 1
         assert "refused a handshake: incompatible KV" in other.output()
         assert_clean(other, d)
     finally:

@@ -34,7 +34,7 @@ def open_mesh():
 
 
 def reads(d) -> float:
-    return stats(d)["kv_transfer_reads"]
+    return stats(d)["kv_transfer_reads_total"]
 
 
 def test_one_params_set_sent_eight_times_is_read_once(open_mesh):
@@ -48,8 +48,8 @@ def test_one_params_set_sent_eight_times_is_read_once(open_mesh):
     assert [text(o) for o in outs] == [expected] * 8  # the copies recompute: same answer
     assert text(complete(d.url, prompt, kv_transfer_params=params)) == expected  # a use after the read is done
     after = stats(d)
-    assert after["kv_transfer_reads"] - before["kv_transfer_reads"] == 1  # one read, not one per copy
-    assert after["kv_transfer_failures"] == before["kv_transfer_failures"]  # the copies contacted no one
+    assert after["kv_transfer_reads_total"] - before["kv_transfer_reads_total"] == 1  # one read, not one per copy
+    assert after["kv_transfer_failures_total"] == before["kv_transfer_failures_total"]  # the copies contacted no one
     assert after["kv_transfer_params_refused_total"] - before["kv_transfer_params_refused_total"] == 8
     assert_clean(p, d)
 

@@ -85,8 +85,8 @@ def test_a_batch_moves_every_prompts_kv_and_holds_no_lease_after(pair):
     alone = decode.post("/v1/completions", json=batch).json()
     assert [c["text"] for c in second.json()["choices"]] == [c["text"] for c in alone["choices"]]
     after = de.engine.connector.metrics()
-    assert after["kv_transfer_reads"] - before["kv_transfer_reads"] == 3
-    assert after["kv_transfer_failures"] == before["kv_transfer_failures"]
+    assert after["kv_transfer_reads_total"] - before["kv_transfer_reads_total"] == 3
+    assert after["kv_transfer_failures_total"] == before["kv_transfer_failures_total"]
     deadline = time.monotonic() + 5
     while pe.engine.connector.leases.blocks and time.monotonic() < deadline:
         time.sleep(0.05)

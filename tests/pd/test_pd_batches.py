@@ -61,8 +61,8 @@ def test_a_three_prompt_batch_moves_every_prompts_kv(mesh, router):
     try:
         texts, moved = batch_through(front.url, d)
         assert texts == single_instance(MODEL, MODEL_PROMPTS)
-        assert moved["kv_transfer_reads"] == 3 and moved["kv_transfer_bytes"] > 0
-        assert moved["kv_transfer_failures"] == 0
+        assert moved["kv_transfer_reads_total"] == 3 and moved["kv_transfer_bytes_total"] > 0
+        assert moved["kv_transfer_failures_total"] == 0
         deadline = time.monotonic() + 5
         while kv_state(p)["connector"]["kv_leases_held"] and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -99,7 +99,7 @@ def test_a_read_past_its_timeout_fails_once_nixl_lets_go_and_holds_blocks_until_
     # and the blocks stay with the read. Poll 4: cancelled, so the load fails and the lease is given up.
     assert polls == [{}, {}, {}, {"r-1": False}]
     assert transport.released == 1 and io.released == [("r-1", False)]
-    assert r.stats["kv_transfer_failures"] == 1 and not r.loads
+    assert r.stats["kv_transfer_failures_total"] == 1 and not r.loads
 
 
 def test_an_aborted_read_frees_its_blocks_only_after_the_read_is_over():
@@ -126,7 +126,7 @@ def test_a_lease_that_already_ended_fails_fast_without_a_read():
     events = ConnectorEvents()
     r.poll(events)
     assert events.loaded == {"r-1": False} and transport.reads == 0
-    assert io.released == [("r-1", False)] and r.stats["kv_transfer_failures"] == 1
+    assert io.released == [("r-1", False)] and r.stats["kv_transfer_failures_total"] == 1
 
 
 def test_a_handshake_answered_by_another_engine_fails_the_load_and_caches_nothing():
@@ -182,7 +182,7 @@ def test_remote_block_ids_outside_the_peers_pool_fail_without_a_read():
     events = ConnectorEvents()
     r.poll(events)
     assert events.loaded == {"r-1": False} and "outside the peer's pool of 4" in events.errors["r-1"]
-    assert transport.reads == 0 and io.posted == [] and r.stats["kv_transfer_failures"] == 1
+    assert transport.reads == 0 and io.posted == [] and r.stats["kv_transfer_failures_total"] == 1
 
 
 def test_the_transfer_clock_counts_from_submission():
@@ -199,8 +199,8 @@ def test_the_transfer_clock_counts_from_submission():
     start(r)
     for _ in range(3):
         r.poll(ConnectorEvents())
-    assert transport.reads == 1 and r.stats["kv_transfer_reads"] == 1
-    assert r.stats["kv_transfer_seconds"] >= 0.05
+    assert transport.reads == 1 and r.stats["kv_transfer_reads_total"] == 1
+    assert r.stats["kv_transfer_seconds_total"] >= 0.05
 
 
 def test_a_read_whose_lease_ended_before_release_is_not_reported_loaded():
@@ -216,11 +216,11 @@ def test_a_read_whose_lease_ended_before_release_is_not_reported_loaded():
     events = ConnectorEvents()
     r.poll(events)
     assert events.loaded == {"r-1": False} and "lease ended" in events.errors["r-1"]
-    assert r.stats["kv_transfer_failures"] == 1 and not r.loads
+    assert r.stats["kv_transfer_failures_total"] == 1 and not r.loads
     start(r)  # the same read with the lease held to the end is trusted
     r.poll(ConnectorEvents())
     r.poll(ConnectorEvents())
     io.posted.append(PeerResult(ResultKind.RELEASE, "r-1", True))
     events = ConnectorEvents()
     r.poll(events)
-    assert events.loaded == {"r-1": True} and not events.errors and r.stats["kv_transfer_failures"] == 1
+    assert events.loaded == {"r-1": True} and not events.errors and r.stats["kv_transfer_failures_total"] == 1

@@ -51,7 +51,7 @@ def router(prefill: list[Process], decode: list[Process], policy: str) -> Proces
 
 
 def reads(decode: list[Process]) -> list[float]:
-    return [kv_state(d)["connector"]["kv_transfer_reads"] for d in decode]
+    return [kv_state(d)["connector"]["kv_transfer_reads_total"] for d in decode]
 
 
 def prompt_tokens(procs: list[Process]) -> list[float]:

@@ -73,12 +73,12 @@ class NixlReader:
         self.peers: dict[str, Peer] = {}  # engine id -> what its handshake proved
         self._asked: set[tuple[str, str, int]] = set()  # (engine id, host, port) of handshakes in flight
         self.stats = {
-            "kv_transfer_reads": 0.0,
-            "kv_transfer_bytes": 0.0,
-            "kv_transfer_descriptors": 0.0,
-            "kv_transfer_blocks": 0.0,
-            "kv_transfer_seconds": 0.0,
-            "kv_transfer_failures": 0.0,
+            "kv_transfer_reads_total": 0.0,
+            "kv_transfer_bytes_total": 0.0,
+            "kv_transfer_descriptors_total": 0.0,
+            "kv_transfer_blocks_total": 0.0,
+            "kv_transfer_seconds_total": 0.0,
+            "kv_transfer_failures_total": 0.0,
         }
 
     @property
@@ -204,7 +204,7 @@ class NixlReader:
             if not result.ok:
                 lost = "the prefill instance's lease ended before the read finished"
                 events.errors[result.key] = result.error or lost
-                self.stats["kv_transfer_failures"] += 1
+                self.stats["kv_transfer_failures_total"] += 1
                 logger.warning("request %s: KV load discarded: %s", result.key, events.errors[result.key])
 
     def _on_handshake(self, result: PeerResult) -> None:
@@ -264,10 +264,10 @@ class NixlReader:
             self._fail(load, f"NIXL read failed to start: {e}")
             return
         load.state, load.started = LoadState.READING, submitted
-        self.stats["kv_transfer_reads"] += 1
-        self.stats["kv_transfer_bytes"] += descs.nbytes
-        self.stats["kv_transfer_descriptors"] += descs.count
-        self.stats["kv_transfer_blocks"] += len(load.moves)
+        self.stats["kv_transfer_reads_total"] += 1
+        self.stats["kv_transfer_bytes_total"] += descs.nbytes
+        self.stats["kv_transfer_descriptors_total"] += descs.count
+        self.stats["kv_transfer_blocks_total"] += len(load.moves)
 
     def _check_read(self, load: _Load, events: ConnectorEvents) -> None:
         state = self.transport.state(load.handle)
@@ -277,7 +277,7 @@ class NixlReader:
             return  # cannot cancel: keep the blocks until NIXL lets go
         if state != "PROC":
             self.transport.release(load.handle)
-        self.stats["kv_transfer_seconds"] += time.monotonic() - load.started
+        self.stats["kv_transfer_seconds_total"] += time.monotonic() - load.started
         if load.aborted:
             del self.loads[load.request_id]
             events.released.append(load.request_id)
@@ -289,7 +289,7 @@ class NixlReader:
             self._fail(load, "the read from the prefill instance failed" if state == "ERR" else "the read timed out")
 
     def _fail(self, load: _Load, reason: str) -> None:
-        self.stats["kv_transfer_failures"] += 1
+        self.stats["kv_transfer_failures_total"] += 1
         logger.warning("request %s: KV load failed: %s", load.request_id, reason)
         load.state, load.error = LoadState.FAILED, reason
         self.io.release_tracked(load.request_id, False)
