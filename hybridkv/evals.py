@@ -58,6 +58,71 @@ def write_task(folder: Path, data: Path, fewshot: Path | None = None, max_tokens
     return folder
 
 
+CHOICE_TASK = "hybridkv_kv_recall_choice"
+CHOICE_YAML = """\
+task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+target_delimiter: ""
+output_type: multiple_choice
+doc_to_text: "{{{{prompt}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def choice_items(items: list[dict], num_choices: int = 4, seed: int = 0) -> list[dict]:
+    """kv_recall items as multiple choice: the answer among `num_choices - 1` other items' answers, at a seeded
+    place (lm-eval then asks the server for each choice's loglikelihood: echo with logprobs)."""
+    rng = random.Random(seed)
+    answers = sorted({it["answer"] for it in items})
+    out = []
+    for it in items:
+        others = rng.sample([a for a in answers if a != it["answer"]], num_choices - 1)
+        label = rng.randrange(num_choices)
+        out.append(
+            {"prompt": it["prompt"], "choices": others[:label] + [it["answer"]] + others[label:], "label": label}
+        )
+    return out
+
+
+def lm_eval_choice_accuracy(
+    base_url: str, model_name: str, data: Path, tokenizer: Path, num_concurrent: int = 4
+) -> tuple[float, list[list[float]]]:
+    """lm-eval's `local-completions` loglikelihood path on a multiple-choice jsonl (`choice_items`): accuracy,
+    and per item the loglikelihood of each choice. lm-eval sends token ids with echo, logprobs 1 and max_tokens
+    1, and sums the continuation's token logprobs: what vLLM's prompt logprobs answer."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        shutil.copy(data, folder / "data.jsonl")
+        (folder / f"{CHOICE_TASK}.yaml").write_text(CHOICE_YAML.format(task=CHOICE_TASK, data=folder / "data.jsonl"))
+        results = lm_eval.simple_evaluate(
+            model="local-completions",
+            model_args=(
+                f"model={model_name},base_url={base_url}/v1/completions,num_concurrent={num_concurrent},"
+                f"tokenized_requests=True,tokenizer_backend=huggingface,tokenizer={tokenizer}"
+            ),
+            tasks=[CHOICE_TASK],
+            task_manager=TaskManager(include_path=str(folder), include_defaults=False),
+            log_samples=True,
+        )
+    samples = sorted(results["samples"][CHOICE_TASK], key=lambda x: x["doc_id"])
+    loglikelihoods = [[float(r[0]) for r in sample["filtered_resps"]] for sample in samples]
+    return results["results"][CHOICE_TASK]["acc,none"], loglikelihoods
+
+
 def check_served_model(base_url: str, model_name: str) -> None:
     """Fail with a clear ValueError unless the server at `base_url` answers /v1/models and serves `model_name`
     (lm-eval itself would retry for minutes and end in a transport traceback)."""

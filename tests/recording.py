@@ -14,10 +14,10 @@ def record_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
     run = llm.engine.runner.run
 
     def recording_run(output):
-        ids, logits = run(output)
+        ids, logits, every_row = run(output)
         for rid, row in zip(ids, logits):
             recorded.setdefault(rid, []).append(row.clone())
-        return ids, logits
+        return ids, logits, every_row
 
     llm.engine.runner.run = recording_run
     return recorded

@@ -17,6 +17,7 @@ import torch
 
 from hybridkv.connectors.base import CONNECTORS, EngineIdentity, KVConnector
 from hybridkv.connectors.identity import model_fingerprint
+from hybridkv.engine import prompt_logprobs
 from hybridkv.engine.chunking import ExactChunks, FreeChunks, exact_unit
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
@@ -267,7 +268,8 @@ class LLMEngine:
             if self.connector is not None and not finished and self.scheduler.has_unfinished():
                 self.connector.wait(0.002)  # loads in flight: let them progress without spinning
             return self._collect(finished)
-        req_ids, logits = self.runner.run(output)
+        req_ids, logits, every_row = self.runner.run(output)
+        prompt_logprobs.record(every_row, self.scheduler.requests)
         self.step_tokens = sum(len(c.token_ids) for c in output.chunks)  # vllm:iteration_tokens_total
         reqs = [self.scheduler.requests[r] for r in req_ids]
         banned = [

@@ -72,6 +72,7 @@ class LLM:
                         0, self.engine.text(r), r.output_token_ids, r.status.value, r.stop_reason, r.logprobs
                     )
                 ],
+                prompt_logprobs=r.prompt_logprobs,
             )
             for r, (p, _) in zip(reqs, unpacked)
         ]

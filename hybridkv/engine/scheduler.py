@@ -94,6 +94,7 @@ class Scheduler:
             keep_state=not last,
             prompt=start + n <= req.num_prompt_tokens,
             state_entries=self.kv.state_entries(req.request_id, start, start + n),
+            all_logits=req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1,
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -150,9 +151,11 @@ class Scheduler:
             break
         while not preempted and self.waiting and budget > 0 and self._num_admitted() < self.config.max_num_seqs:
             req = self.waiting[0]
-            hit = self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
+            whole = req.prompt_logprobs is not None  # every prompt token's logits are needed: computed here
+            hit = self.kv.find_cached_prefix(req.block_hashes, 0 if whole else req.num_tokens)
             req.branch_tokens = hit.branch_tokens
-            external = self.connector.num_external_tokens(req, hit.num_tokens) if self.connector else 0
+            local = req.num_prompt_tokens if whole else hit.num_tokens  # a connector then has nothing to load
+            external = self.connector.num_external_tokens(req, local) if self.connector else 0
             if external:
                 if not self._start_load(req, hit, external):
                     break

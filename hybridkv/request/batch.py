@@ -12,7 +12,8 @@ class ScheduledChunk:
     the recurrent state after the chunk is not stored (a prefiller's last token, whose reader needs the state
     before it). `prompt`: every token is a prompt token (a one-token prompt chunk is not a decode: see
     `runner.step_index.run_kind`). `state_entries`: (the bundle head of the recurrent state the chunk starts from,
-    -1 at token 0; the head of the entry its state after the chunk goes to), for a plan with a state group."""
+    -1 at token 0; the head of the entry its state after the chunk goes to), for a plan with a state group.
+    `all_logits`: the runner returns the logits of every token of the chunk too (prompt logprobs)."""
 
     request_id: str
     token_ids: list[int]
@@ -22,6 +23,7 @@ class ScheduledChunk:
     keep_state: bool = True
     prompt: bool = False
     state_entries: tuple[int, int] = (-1, -1)
+    all_logits: bool = False  # logits for every token, not only the last (the request wants prompt logprobs)
 
 
 @dataclass(frozen=True)

@@ -31,3 +31,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # set when SamplingParams.prompt_logprobs is

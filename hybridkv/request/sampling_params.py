@@ -28,6 +28,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # per sampled token: its logprob and the top `logprobs` alternatives
+    # per prompt token after the first: its logprob and the top alternatives (vLLM's prompt_logprobs). The prompt
+    # is then computed whole: no prefix-cache hit and no KV loaded by a connector (their logits were never made).
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
     frequency_penalty: float = 0.0  # subtracted once per time a token was generated
     repetition_penalty: float = 1.0  # tokens in the prompt or output: positive logits divided by it, others times
@@ -39,7 +42,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
-        for name in ("max_tokens", "top_k", "min_tokens", "logprobs", "seed"):
+        for name in ("max_tokens", "top_k", "min_tokens", "logprobs", "prompt_logprobs", "seed"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -56,8 +59,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:

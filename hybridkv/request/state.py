@@ -62,6 +62,10 @@ class Request:
         self.first_token_time: float | None = None
         self.block_hashes: list[BlockHash] = []
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
+        # position p: prompt token p's logprob under the logits at p - 1 (None at 0, and until computed)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

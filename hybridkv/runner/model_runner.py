@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import torch
 
@@ -14,6 +15,14 @@ from hybridkv.runner import kernels
 from hybridkv.runner.attention import GroupMetadata, PagedAttention, Tile, Workspace
 from hybridkv.runner.states import PagedStates, check_state_shapes, steps_in_place
 from hybridkv.runner.step_index import QUERY_TILE, IndexPack, StepIndex, run_kind
+
+
+class ChunkLogits(NamedTuple):
+    """The logits of every token of one chunk: row j is position start + j's (it predicts token start + j + 1)."""
+
+    request_id: str
+    start: int
+    logits: torch.Tensor
 
 
 class ModelRunner:
@@ -72,8 +81,9 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def run(self, output: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
-        """Run every scheduled chunk; return the ids of requests to sample and their logits [M, vocab]."""
+    def run(self, output: SchedulerOutput) -> tuple[list[str], torch.Tensor, list[ChunkLogits]]:
+        """Run every scheduled chunk; return the ids of requests to sample, their logits [M, vocab], and the
+        logits of every token of the chunks that asked for them (`ScheduledChunk.all_logits`)."""
 
         # Decodes first, then short chunks, then long ones: each kind forms one run (see `step_index`).
         # With the prefill kernel, a one-token prompt chunk attends as a prefill (the same bits as unchunked).
@@ -95,16 +105,20 @@ class ModelRunner:
         ids_slot, positions_slot = pack.add([t for c in chunks for t in c.token_ids]), pack.add(step.positions)
         ends = list(itertools.accumulate(step.lengths))
         sampled = [i for i, c in enumerate(chunks) if c.sample]
-        rows_slot = pack.add([ends[i] - 1 for i in sampled])
+        # Output rows: each sampled chunk's last token, then every token of the chunks that want all logits.
+        every = [i for i, c in enumerate(chunks) if c.all_logits]
+        out_chunks = sampled + [i for i in every for _ in range(lengths[i])]
+        out_rows = [ends[i] - 1 for i in sampled] + [r for i in every for r in range(ends[i] - lengths[i], ends[i])]
+        rows_slot = pack.add(out_rows)
         metadata = self._metadata(step, [c.block_tables for c in chunks])
         narrow = self.model.narrows_outputs
         # A step of decodes alone is its own output step; otherwise the output rows alone, one query each
         # at its position (`OutputRows`).
-        same = len(sampled) == len(chunks) and all(n == 1 for n in lengths)
+        same = len(sampled) == len(chunks) and all(n == 1 for n in lengths) and not every
         if narrow and not same:
-            out_positions = [step.positions[ends[i] - 1] for i in sampled]
-            out_step = StepIndex(out_positions, [1] * len(sampled), pack, self.query_tile, self.exact, solo=solo)
-            out_metadata = self._metadata(out_step, [chunks[i].block_tables for i in sampled])
+            out_positions = [step.positions[r] for r in out_rows]
+            out_step = StepIndex(out_positions, [1] * len(out_rows), pack, self.query_tile, self.exact, solo=solo)
+            out_metadata = self._metadata(out_step, [chunks[i].block_tables for i in out_chunks])
         pack.upload(self.device)
         kernels_ = {"decode_kernel": self.decode_kernel, "prefill_kernel": self.prefill_kernel}
         attn = PagedAttention(self.memory.views, self.layer_group, metadata, step, self.workspace, **kernels_)
@@ -124,4 +138,8 @@ class ModelRunner:
         if states is not None:
             states.write_back()
         logits = self.model.compute_logits(hidden)
-        return [chunks[i].request_id for i in sampled], logits
+        extra, at = [], len(sampled)
+        for i in every:
+            extra.append(ChunkLogits(chunks[i].request_id, chunks[i].start, logits[at : at + lengths[i]]))
+            at += lengths[i]
+        return [chunks[i].request_id for i in sampled], logits[: len(sampled)], extra

@@ -23,16 +23,19 @@ from hybridkv.connectors.base import TransferRefused
 from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.serve.async_engine import AsyncEngine
 from hybridkv.serve.chat import ChatRenderer, chat_ids
+from hybridkv.serve.chat_protocol import ChatRequest
 from hybridkv.serve.compile_pool import CompileBusy
 from hybridkv.serve.fanout import best, sequence_params
 from hybridkv.serve.guards import error_response, guard, off_loop, require_json, tenant_salt
 from hybridkv.serve.info_routes import add_info_routes, check_model
 from hybridkv.serve.limits import checked, request_limits
-from hybridkv.serve.protocol import APIError, ChatRequest, CompletionRequest
+from hybridkv.serve.protocol import APIError, CompletionRequest
 from hybridkv.serve.responses import (
     chat_logprobs,
     collect,
     completion_logprobs,
+    echo_logprobs,
+    joined,
     meta,
     sse,
     until_disconnected,
@@ -120,6 +123,10 @@ def build_app(
         except CompileBusy as e:
             raise APIError(503, str(e), "server_error", param=spec.field.split(".")[0]) from e
 
+    def prompt_text(prompt_ids: list[int]) -> str:
+        tokenizer = engine.engine.tokenizer
+        return "".join(map(token_text, prompt_ids)) if tokenizer is None else tokenizer.decode(prompt_ids)
+
     def token_text(token_id: int) -> str:
         tokenizer = engine.engine.tokenizer
         return str(token_id) if tokenizer is None else tokenizer.token_text(token_id)
@@ -136,8 +143,8 @@ def build_app(
     async def completions(request: Request):
         req = await require_json(request, CompletionRequest)
         check_model(req.model, names)
-        if req.echo:
-            raise APIError(400, "echo=true is not supported: the response holds the completion only", param="echo")
+        if req.max_tokens == 0 and req.stream:
+            raise APIError(400, "max_tokens 0 (the prompt alone) cannot stream", param="max_tokens")
         prompts, (n, runs) = req.prompts(), req.sequences()
         checked(limits.check_batch, len(prompts) * runs)
         ids = [await prompt_ids(p) for p in prompts]
@@ -151,21 +158,32 @@ def build_app(
             for p, kv_i in zip(ids, kv)
             for sp in sequence_params(within_context(base, len(p), asked), runs, n)
         ]
+        # echo: each choice starts with its prompt (the text given, or the ids decoded)
+        echoes = [(p if isinstance(p, str) else prompt_text(i), i) for p, i in zip(prompts, ids)] if req.echo else None
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return sse(seqs, head, chat=False, usage=usage, token_text=token_text, per_prompt=runs)
+            echoed = None if echoes is None else [e for e in echoes for _ in range(runs)]
+            return sse(seqs, head, chat=False, usage=usage, token_text=token_text, per_prompt=runs, echo=echoed)
         results = await until_disconnected(request, asyncio.gather(*(collect(r) for r in seqs)))
         choices, counts, outs = [], {"prompt_tokens": 0, "completion_tokens": 0}, []
+        nothing = req.max_tokens == 0  # echo of the prompt alone: the one token run for its logits is dropped
         for i in range(len(ids)):
             group = results[i * runs : (i + 1) * runs]
-            kept = best(group, [entries for _, _, entries in group], n) if runs > n else group
-            for j, (text, last, entries) in enumerate(kept):
+            kept = best(group, [c.logprobs for c in group], n) if runs > n else group
+            for j, c in enumerate(kept):
+                text, entries, last = ("", [], c.last) if nothing else (c.text, c.logprobs, c.last)
                 lp = None if base.logprobs is None else completion_logprobs(entries, token_text)
+                if echoes is not None:
+                    prompt, echo_ids = echoes[i]
+                    text = prompt + text
+                    if lp is not None and c.prompt_logprobs is not None:
+                        first = echo_logprobs(echo_ids, c.prompt_logprobs, token_text)
+                        lp = joined(first, completion_logprobs(entries, token_text, sum(map(len, first["tokens"]))))
                 choice = {"index": i * n + j, "text": text, "logprobs": lp, "finish_reason": last.finish_reason}
                 choices.append(choice | ({"kv_transfer_params": last.kv_transfer_params} if len(ids) > 1 else {}))
-                counts["completion_tokens"] += last.num_output_tokens
+                counts["completion_tokens"] += 0 if nothing else last.num_output_tokens
                 outs.append(last.kv_transfer_params)
-            counts["prompt_tokens"] += group[0][1].num_prompt_tokens
+            counts["prompt_tokens"] += group[0].last.num_prompt_tokens
         merged = engine.merge_transfer_params(outs)
         extra = {"kv_transfer_params": merged} if merged else {}
         return head | {"choices": choices, "usage": usage_of(counts)} | extra
@@ -206,14 +224,14 @@ def build_app(
             chunk_head = head | {"object": "chat.completion.chunk"}
             return sse(seqs, chunk_head, chat=True, usage=usage, token_text=token_text, per_prompt=runs)
         results = await until_disconnected(request, asyncio.gather(*(collect(r) for r in seqs)))
-        kept = best(results, [entries for _, _, entries in results], n) if runs > n else results
+        kept = best(results, [c.logprobs for c in results], n) if runs > n else results
         choices, completion_tokens = [], 0
-        for j, (text, last, entries) in enumerate(kept):
+        for j, (text, last, entries, _) in enumerate(kept):
             lp = None if req.logprobs is False else chat_logprobs(entries, token_text)
             message, finish = tool_answer(text, last.finish_reason, choice, tool_call_parser)
             choices.append({"index": j, "message": message, "logprobs": lp, "finish_reason": finish})
             completion_tokens += last.num_output_tokens
-        last = results[0][1]
+        last = results[0].last
         counts = {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": completion_tokens}
         if req.stream:
             return whole_sse(head | {"object": "chat.completion.chunk"}, choices, usage_of(counts) if usage else None)

@@ -43,6 +43,7 @@ class Update:
     num_output_tokens: int
     logprobs: list[TokenLogprob] | None = None  # of `token_ids`, when the request asked for them
     kv_transfer_params: dict | None = None  # from a connector, on the last update (PD prefill)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first update, when the request asked
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Update]]) -> None:
@@ -292,6 +293,7 @@ class AsyncEngine:
                 len(req.output_token_ids),
                 None if req.logprobs is None else req.logprobs[s.sent_tokens :],
                 req.kv_transfer_params_out if finished else None,
+                req.prompt_logprobs if s.sent_tokens == 0 else None,
             )
             s.sent_tokens, s.sent_text = len(req.output_token_ids), text
             batches.setdefault(s.loop, []).append((s.queue, update))

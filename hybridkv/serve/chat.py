@@ -11,8 +11,9 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.serve.chat_protocol import ChatMessage
 from hybridkv.serve.limits import RequestLimits, checked
-from hybridkv.serve.protocol import APIError, ChatMessage
+from hybridkv.serve.protocol import APIError
 from hybridkv.serve.tools import Tool, template_messages
 
 if TYPE_CHECKING:

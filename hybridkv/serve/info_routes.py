@@ -14,9 +14,10 @@ from pydantic import BaseModel, Field, StrictInt
 
 from hybridkv.serve.async_engine import AsyncEngine
 from hybridkv.serve.chat import chat_ids
+from hybridkv.serve.chat_protocol import ChatMessage
 from hybridkv.serve.guards import require_json
 from hybridkv.serve.limits import RequestLimits
-from hybridkv.serve.protocol import STRICT, APIError, ChatMessage
+from hybridkv.serve.protocol import STRICT, APIError
 from hybridkv.version import __version__
 
 

@@ -50,9 +50,13 @@ def buckets_1_2_5(limit: int) -> tuple[int, ...]:
         scale *= 10
 
 
+REVEALING = ("prefix_cache", "hit", "cached", "by_source", "kv_computed", "iteration_tokens")
+
+
 def reveals_hits(name: str) -> bool:
-    """Whether a series tells its reader that some prompt hit a cache (a prefix oracle across tenants)."""
-    return name.startswith("vllm:prefix_cache") or "hit" in name
+    """Whether a series tells its reader that some prompt hit a cache (a prefix oracle across tenants): hit and
+    cached-token counts, and the computed-token counts a hit lowers (per request, per step)."""
+    return any(word in name for word in REVEALING)
 
 
 class _Snapshot(Collector):
@@ -163,8 +167,12 @@ class EngineMetrics:
         self._snapshot = _Snapshot(values, dict(cache_info or {}))
         self.registry.register(self._snapshot)
 
+        # Histograms that reveal cache hits live in their own registry, left out with hide_prefix_hits.
+        self.revealing = CollectorRegistry(auto_describe=True)
+
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*values)
+            registry = self.revealing if reveals_hits(name) else self.registry
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=registry).labels(*values)
 
         tokens = buckets_1_2_5(max_model_len)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
@@ -225,4 +233,5 @@ class EngineMetrics:
     def render(self, stats: EngineStats) -> bytes:
         """The Prometheus text of `stats` (a snapshot the engine thread published) and of the histograms."""
         self._snapshot.stats = stats
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        return text if self.hide_prefix_hits else text + generate_latest(self.revealing)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hybridkv.request.sampling_params import MAX_LOGPROBS, SamplingParams
-from hybridkv.serve.tools import Tool, ToolCallIn, ToolChoice
 from hybridkv.structured.spec import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -88,7 +87,7 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)  # unknown fields are ignored with a warning, as vLLM does
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo (the prompt's logprobs alone)
     temperature: float = Field(default=1.0, ge=0, le=100)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=-1)
@@ -123,7 +122,7 @@ class _Sampling(BaseModel):
             raise APIError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
         try:
             return SamplingParams(
-                max_tokens=self._max_tokens() or default_max_tokens,
+                max_tokens=max(1, default_max_tokens if (asked := self._max_tokens()) is None else asked),
                 temperature=self.temperature,
                 top_p=self.top_p,
                 top_k=self.top_k,
@@ -136,6 +135,7 @@ class _Sampling(BaseModel):
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
                 logprobs=self._logprobs(),
+                prompt_logprobs=self._prompt_logprobs(),
                 structured_outputs=self._structured(),
                 logit_bias=tuple(bias.items()),
             )
@@ -168,9 +168,14 @@ class _Sampling(BaseModel):
             raise APIError(400, str(e) if str(e).startswith(name) else f"{name}: {e}", param=name) from e
 
     def _max_tokens(self) -> int | None:
+        if self.max_tokens == 0:
+            raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
         return self.max_tokens
 
     def _logprobs(self) -> int | None:
+        return None
+
+    def _prompt_logprobs(self) -> int | None:
         return None
 
     def sequences(self) -> tuple[int, int]:
@@ -214,55 +219,16 @@ class CompletionRequest(_Sampling):
     def _logprobs(self) -> int | None:
         return self.logprobs
 
-
-class TextPart(BaseModel):
-    model_config = STRICT
-    type: str
-    text: str = ""
-
-
-class ChatMessage(BaseModel):
-    model_config = STRICT
-    role: str
-    content: str | list[TextPart] | None = None
-    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=128)  # an assistant's calls, sent back
-    tool_call_id: str | None = None  # a tool message: the call it answers
-    name: str | None = None
-
-    @model_validator(mode="after")
-    def _content_or_calls(self) -> ChatMessage:
-        if self.content is None and not self.tool_calls:
-            raise ValueError("a message needs content (null only for an assistant message with tool_calls)")
-        return self
-
-    @field_validator("content")
-    @classmethod
-    def _text_only(cls, content: str | list[TextPart] | None) -> str | None:
-        """OpenAI content parts: text parts are joined; other kinds (images, audio) are not supported."""
-        if content is None or isinstance(content, str):
-            return content
-        kinds = {p.type for p in content} - {"text"}
-        if kinds:
-            raise ValueError(f"only text content parts are supported, got {', '.join(sorted(kinds))}")
-        return "".join(p.text for p in content)
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Tool] | None = Field(default=None, max_length=128)
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
+    def _prompt_logprobs(self) -> int | None:
+        """echo with logprobs: the prompt's tokens get them too (vLLM's rule)."""
+        return self.logprobs if self.echo else None
 
     def _max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
-    def _logprobs(self) -> int | None:
-        if self.top_logprobs and not self.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        return (self.top_logprobs or 0) if self.logprobs else None
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(
+                400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)", param="max_tokens"
+            )
+        return self.max_tokens
 
 
 def parse(model: type[BaseModel], body: Any) -> Any:

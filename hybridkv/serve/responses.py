@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from fastapi.responses import StreamingResponse
 
@@ -28,18 +28,28 @@ def usage_of(counts: dict[str, int]) -> dict[str, int]:
     return counts | {"total_tokens": counts["prompt_tokens"] + counts["completion_tokens"]}
 
 
-async def collect(updates: AsyncIterator[Update]) -> tuple[str, Update, list[TokenLogprob]]:
-    text, last, logprobs = "", None, []
+class Collected(NamedTuple):
+    """A finished request: its text, its last update, its tokens' logprobs and its prompt's (when asked)."""
+
+    text: str
+    last: Update
+    logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob | None] | None
+
+
+async def collect(updates: AsyncIterator[Update]) -> Collected:
+    text, last, logprobs, prompt_logprobs = "", None, [], None
     try:
         async for u in updates:
             text, last = text + u.text, u
             logprobs += u.logprobs or []
+            prompt_logprobs = prompt_logprobs if u.prompt_logprobs is None else u.prompt_logprobs
     except ValueError as e:  # the engine refused the request (e.g. kv_transfer_params without a connector)
         raise APIError(400, str(e)) from e
     except RuntimeError as e:  # the engine failed the request (e.g. a KV load under policy "fail")
         raise APIError(502, str(e), "server_error") from e
     assert last is not None
-    return text, last, logprobs
+    return Collected(text, last, logprobs, prompt_logprobs)
 
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -71,6 +81,27 @@ def completion_logprobs(
         "top_logprobs": [{token_text(t): lp for t, lp in e.top or ((e.token_id, e.logprob),)} for e in entries],
         "text_offset": offsets if tokens else [],
     }
+
+
+def echo_logprobs(
+    prompt_ids: list[int], entries: list[TokenLogprob | None], token_text: Callable[[int], str]
+) -> dict[str, list[Any]]:
+    """The legacy `logprobs` object of an echoed prompt (`prompt_logprobs`): token 0 has none (null, as vLLM)."""
+    tokens = [token_text(t) for t in prompt_ids]
+
+    def top(e: TokenLogprob) -> dict[str, float]:
+        return {token_text(t): lp for t, lp in e.top or ((e.token_id, e.logprob),)}
+
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if e is None else e.logprob for e in entries],
+        "top_logprobs": [None if e is None else top(e) for e in entries],
+        "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else [],
+    }
+
+
+def joined(first: dict[str, list[Any]], then: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    return {key: first[key] + then[key] for key in first}
 
 
 def chat_logprobs(entries: list[TokenLogprob], token_text: Callable[[int], str]) -> dict[str, list[Any]]:
@@ -119,8 +150,10 @@ def sse(
     usage: bool,
     token_text: Callable[[int], str],
     per_prompt: int = 1,
+    echo: list[tuple[str, list[int]]] | None = None,
 ) -> StreamingResponse:
-    """One SSE stream for `runs` (choice i is run i; `per_prompt` runs share a prompt: n), the usage chunk last."""
+    """One SSE stream for `runs` (choice i is run i; `per_prompt` runs share a prompt: n), the usage chunk last.
+    `echo`: per run its prompt (text, ids), sent as the run's first chunk (completions' echo)."""
 
     async def events() -> AsyncIterator[str]:
         try:
@@ -137,6 +170,12 @@ def sse(
         prompt_tokens: dict[int, int] = {}
         output_tokens = [0] * len(runs)
         async for i, u in merged(runs):
+            if echo is not None and not started[i]:
+                text, ids = echo[i]
+                lp = None if u.prompt_logprobs is None else echo_logprobs(ids, u.prompt_logprobs, token_text)
+                offsets[i] = 0 if lp is None else sum(map(len, lp["tokens"]))
+                first = {"index": i, "text": text, "logprobs": lp, "finish_reason": None}
+                yield f"data: {json.dumps(head | {'choices': [first]})}\n\n"
             if chat:
                 delta = {"content": u.text} | ({} if started[i] else {"role": "assistant"})
                 lp = None if u.logprobs is None else chat_logprobs(u.logprobs, token_text)

@@ -120,6 +120,23 @@ def test_lm_eval_through_the_proxy_scores_the_single_instance_score(embedded, tm
     assert_clean(p, d)
 
 
+def test_lm_eval_loglikelihood_through_the_proxy_equals_one_instance(embedded, tmp_path):
+    """lm-eval's loglikelihood path (a multiple-choice task: echo, logprobs 1, max_tokens 1, prompt token ids):
+    through the PD proxy every choice's loglikelihood equals one instance's to the bit. Prompt logprobs need every
+    prompt token's logits, so the decoder computes the prompt (it reads nothing, and frees the prefill's lease)."""
+    pytest.importorskip("lm_eval")
+    from hybridkv.evals import choice_items, lm_eval_choice_accuracy
+
+    data = tmp_path / "choices.jsonl"
+    data.write_text("".join(json.dumps(it) + "\n" for it in choice_items(HELDOUT[100:112])))
+    p, d, x = embedded
+    acc_one, one = lm_eval_choice_accuracy(p.url, DEFAULT_MODEL_DIR.name, data, DEFAULT_MODEL_DIR)
+    with transfers(d, reads=0):
+        acc_pd, pd = lm_eval_choice_accuracy(x.url, DEFAULT_MODEL_DIR.name, data, DEFAULT_MODEL_DIR)
+    assert pd == one and acc_pd == acc_one >= 0.9, (acc_one, acc_pd)
+    assert_clean(p, d)
+
+
 def test_an_expired_lease_frees_prefill_and_the_decoder_recomputes(embedded):
     p, d, _ = embedded
     prompt = HELDOUT[20]["prompt"]

@@ -104,6 +104,9 @@ def test_chat_logprobs_with_top_alternatives(url):
         ("completions", {"n": 65}, "n"),
         ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
         ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("completions", {"max_tokens": 0}, "max_tokens"),
+        ("completions", {"max_tokens": 0, "echo": True, "stream": True}, "max_tokens"),
+        ("chat/completions", {"max_tokens": 0}, "max_tokens"),
     ],
 )
 def test_bad_n_and_logprobs_are_400s_naming_the_field(url, path, extra, field):
@@ -125,3 +128,37 @@ def test_logit_bias_moves_the_choice(url):
     for bias, says in (({"x": 1}, "token ids"), ({"5": 101}, "[-100, 100]"), ({"99999999": 1}, "vocabulary")):
         r = httpx.post(f"{url}/v1/completions", json=body | {"logit_bias": bias}, timeout=60)
         assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(url):
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = post(url, "completions", body)["choices"][0]
+    echoed = post(url, "completions", body | {"echo": True})["choices"][0]
+    assert echoed["text"] == PROMPT + plain["text"] and echoed["logprobs"] is None
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
+    lp = post(url, "completions", body | {"echo": True, "logprobs": 1, "prompt": ids})["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 3 == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # the first token has none (vLLM)
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+    assert lp["text_offset"][: len(ids)] == [sum(map(len, lp["tokens"][:k])) for k in range(len(ids))]
+    # The generated part equals a plain request's logprobs.
+    gen = post(url, "completions", body | {"logprobs": 1})["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][len(ids) :] == gen["token_logprobs"]
+    alone = post(url, "completions", body | {"echo": True, "logprobs": 1, "prompt": ids, "max_tokens": 0})
+    (choice,) = alone["choices"]
+    assert choice["logprobs"]["token_logprobs"] == lp["token_logprobs"][: len(ids)]
+    assert alone["usage"]["completion_tokens"] == 0 and choice["text"] == lp_text(url, ids)
+
+
+def lp_text(url: str, ids: list[int]) -> str:
+    return httpx.post(f"{url}/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+
+
+def test_echo_streams_the_prompt_first(url):
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "echo": True, "logprobs": 0}
+    whole = post(url, "completions", body)["choices"][0]
+    chunks = stream(url, "completions", body)
+    assert chunks[0]["choices"][0]["text"] == PROMPT
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    streamed = [v for c in chunks for v in (c["choices"][0]["logprobs"] or {"token_logprobs": []})["token_logprobs"]]
+    assert streamed == whole["logprobs"]["token_logprobs"]

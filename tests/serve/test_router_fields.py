@@ -8,7 +8,8 @@ import logging
 
 import pytest
 
-from hybridkv.serve.protocol import ChatRequest, CompletionRequest, parse
+from hybridkv.serve.chat_protocol import ChatRequest
+from hybridkv.serve.protocol import CompletionRequest, parse
 
 BASE = {"prompt": "hi", "max_tokens": 2}
 ROUTER_EXTRAS = {"no_stop_trim": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,

@@ -127,7 +127,7 @@ def test_streamed_text_offsets_equal_the_full_responses(url):
         ({"prompt": ""}, 400, "empty"),
         ({}, 400, "prompt"),
         ({"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
-        ({"prompt": "hi", "echo": True}, 400, "echo"),
+        ({"prompt": "hi", "echo": "yes"}, 400, "echo"),
         ({"prompt": "hi", "frequency_penalty": 3}, 400, "frequency_penalty"),
         ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
         ({"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True}}, 400, "--kv-transfer-config"),

@@ -13,7 +13,8 @@ from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from hybridkv.engine.tokenizer import Tokenizer
 from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.runner.sampler import TOP_CANDIDATES, sample
-from hybridkv.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
+from hybridkv.serve.chat_protocol import ChatRequest
+from hybridkv.serve.protocol import APIError, CompletionRequest, parse
 from hybridkv.structured import GrammarCompiler, StructuredOutputs
 from hybridkv.structured.grammar import unpack
 from tests.runner.test_sampler_filters import LOGITS, assert_frequencies_match, reference
