@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 
 import httpx
 import jsonschema
@@ -177,3 +178,21 @@ def test_tool_call_parsers_for_auto():
     content, calls = llama('{"name": "get_time", "parameters": {"zone": "CET"}}')
     assert content is None and calls[0]["function"]["arguments"] == '{"zone": "CET"}'
     assert llama("The time is noon.") == ("The time is noon.", [])
+
+
+def test_auto_with_a_parser_answers_text_or_calls(folder):
+    """With --enable-auto-tool-choice --tool-call-parser hermes, "auto" is served: the output is free text, and
+    the parser turns `<tool_call>` blocks into tool_calls (the tiny model writes none: content comes back)."""
+    p = Process("serve", str(folder), "--threads", "1", "--kv-cache-memory", "16MiB", "--max-model-len", "1024",
+                "--served-model-name", "m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")  # fmt: skip
+    try:
+        body = {"model": "m", "messages": ASK, "tools": TOOLS, "max_tokens": 8, "temperature": 0}
+        r = httpx.post(f"{p.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        assert message["content"] and "tool_calls" not in message
+    finally:
+        p.stop()
+    bad = subprocess.run(["hybridkv", "serve", "--enable-auto-tool-choice"], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "--tool-call-parser" in bad.stderr
