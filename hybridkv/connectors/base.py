@@ -184,6 +184,10 @@ class KVConnector:
         """Counters and gauges for /metrics (names without the hybridkv_ prefix)."""
         return {}
 
+    def where(self) -> str:
+        """What the start-up log names besides the connector's name (an address it listens on), or ""."""
+        return ""
+
     def shutdown(self) -> None:
         """Release threads, sockets and registrations."""
 

@@ -47,7 +47,7 @@ def pd_server(spec: ModelSpec, options: SweepOptions, layout: str, env: dict[str
     """One instance with a NixlConnector (kv_both) on a free side-channel port, in `layout`."""
 
     def start() -> Process:
-        extra = {"side_channel_port": free_port()}
+        extra = {"side_channel_port": 0}  # a free port at bind
         ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
         args = [*engine_args(spec, options), "--kv-layout", layout, "--kv-transfer-config", json.dumps(ktc)]
         return Process("serve", *args, env=env, timeout=options.start_timeout)

@@ -200,7 +200,8 @@ def connectors_line(engine: LLMEngine) -> str:
     parts = []
     transfer = engine.config.kv_transfer_config
     if transfer is not None:
-        parts.append(f"{transfer.kv_connector} ({transfer.kv_role})")
+        where = "" if engine.connector is None else engine.connector.where()
+        parts.append(f"{transfer.kv_connector} ({transfer.kv_role}{', ' + where if where else ''})")
     events = engine.config.kv_events_config
     if events is not None and events.enabled:
         parts.append(f"KV events on {events.endpoint}")

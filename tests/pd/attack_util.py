@@ -3,7 +3,7 @@ conftest.py), prompts, and the ways attackers and mesh members talk to it."""
 
 from __future__ import annotations
 
-import json
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -26,9 +26,8 @@ VICTIM, ATTACKER = HELDOUT[50]["prompt"], HELDOUT[51]["prompt"]  # different sec
 
 
 def channel(p) -> int:
-    return json.loads(p.proc.args[p.proc.args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"][
-        "side_channel_port"
-    ]
+    """The side channel's port as the instance bound it (its start-up log names it)."""
+    return int(re.search(r"side channel 127\.0\.0\.1:(\d+)", p.log.read_text(errors="replace")).group(1))
 
 
 def stats(p) -> dict:

@@ -13,7 +13,7 @@ import pytest
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from tests.metrics_util import scrape
-from tests.procs import Process, free_port
+from tests.procs import Process
 
 try:
     from hybridkv.connectors.pd.transport import _nixl
@@ -28,7 +28,7 @@ SHORT = ["Remember these codes.\n- ant 58\nQ: what is ant?\nA: ant", "hi"]  # sh
 
 
 def server(model: str, layout: str = "per-layer", *extra: str, **options) -> Process:
-    config = {"side_channel_port": free_port(), "kv_lease_s": 3} | options
+    config = {"side_channel_port": 0, "kv_lease_s": 3} | options  # 0: a free port at bind (no race)
     ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": config}
     args = ["--model", model, "--kv-layout", layout, *ENGINE, "--enable-admin", "--kv-transfer-config"]
     return Process("serve", *args, json.dumps(ktc), *extra)

@@ -15,13 +15,12 @@ from hybridkv.engine.engine import LLMEngine
 from hybridkv.serve.api import build_app
 from hybridkv.serve.async_engine import AsyncEngine
 from tests.pd import pd_util  # noqa: F401 (skips without NIXL)
-from tests.procs import free_port
 
 PROMPT = {"prompt": "the quick brown fox " * 6, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
 
 
 def instance(folder, policy: str = "recompute", kv_cache_memory: str = "8MiB") -> tuple[AsyncEngine, TestClient]:
-    extra = {"side_channel_port": free_port(), "kv_lease_s": 5, "kv_load_failure_policy": policy}
+    extra = {"side_channel_port": 0, "kv_lease_s": 5, "kv_load_failure_policy": policy}
     ktc = KVTransferConfig("NixlConnector", kv_connector_extra_config=extra)
     config = EngineConfig(model=str(folder), kv_cache_memory=kv_cache_memory, max_model_len=256, kv_transfer_config=ktc)
     engine = AsyncEngine(LLMEngine(config))

@@ -20,7 +20,7 @@ from hybridkv import LLM, SamplingParams
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from hybridkv.tasks.kv_recall import read_jsonl, score
 from tests.pd.pd_util import ENGINE, kv_state, proxy, server
-from tests.procs import Process, free_port
+from tests.procs import Process
 
 MODEL = str(DEFAULT_MODEL_DIR)
 ITEMS = read_jsonl(DEFAULT_MODEL_DIR / "heldout.jsonl")[:48]
@@ -70,7 +70,7 @@ def buggy_decoder(folder: Path) -> Process:
     ktc = {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"side_channel_port": free_port()},
+        "kv_connector_extra_config": {"side_channel_port": 0},
     }
     args = ["--model", MODEL, *ENGINE, "--enable-admin", "--kv-transfer-config", json.dumps(ktc)]
     return Process("serve", *args, env=env)

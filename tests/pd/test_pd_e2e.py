@@ -15,6 +15,7 @@ import pytest
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
+from tests.pd.attack_util import channel
 from tests.pd.pd_util import (
     HELDOUT,
     SHORT,
@@ -244,9 +245,8 @@ def test_a_request_the_decoder_refuses_releases_the_prefill_lease(embedded):
 
 def test_a_side_channel_port_in_use_is_a_clear_start_up_error(embedded):
     p, _, _ = embedded
-    taken = json.loads(p.proc.args[p.proc.args.index("--kv-transfer-config") + 1])
     with pytest.raises(RuntimeError, match="side_channel_port"):
-        server(str(DEFAULT_MODEL_DIR), **taken["kv_connector_extra_config"])
+        server(str(DEFAULT_MODEL_DIR), side_channel_port=channel(p))  # the port p bound
 
 
 def prompt_tokens(p: Process) -> float:

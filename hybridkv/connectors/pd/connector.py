@@ -281,6 +281,9 @@ class NixlConnector(KVConnector):
     def dead_threads(self) -> list[str]:
         return [] if self.server.alive else ["KV side channel"]
 
+    def where(self) -> str:
+        return f"side channel {self.host}:{self.port}"  # the port as bound (0 in the config: a free one)
+
     def metrics(self) -> dict[str, float]:
         return self.reader.stats | {
             "kv_leases_held": float(len(self.leases)),
