@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridkv.connectors.histogram import HistogramSnapshot
 from hybridkv.json_config import json_object
 from hybridkv.kv.events import KVEventLog
 from hybridkv.kv.hashing import BlockHash
@@ -181,7 +182,12 @@ class KVConnector:
         return {}
 
     def metrics(self) -> dict[str, float]:
-        """Counters and gauges for /metrics (names without the hybridkv_ prefix)."""
+        """Counters and gauges for /metrics: names without the hybridkv_ prefix, or vLLM's own ("vllm:..."); a
+        name ending in _total is a counter."""
+        return {}
+
+    def histograms(self) -> dict[str, HistogramSnapshot]:
+        """vLLM's per-transfer histograms this connector fills (full metric names), as snapshots."""
         return {}
 
     def where(self) -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from hybridkv.connectors.histogram import HistogramSnapshot
+
 if TYPE_CHECKING:
     from hybridkv.connectors.base import KVConnector
     from hybridkv.engine.scheduler import Scheduler
@@ -35,6 +37,7 @@ class EngineStats:
     prompt_local_hit_tokens: int = 0  # prompt tokens found cached at first admission
     external_query_tokens: int = 0  # prompt tokens asked of a connector at first admission
     connector: dict[str, float] = field(default_factory=dict)
+    connector_histograms: dict[str, HistogramSnapshot] = field(default_factory=dict)
     integrity: str | None = None  # "ok" or "violated: ..." when the snapshot checked the invariants
 
     @property
@@ -78,5 +81,6 @@ def snapshot(
         prompt_local_hit_tokens=st.prompt_local_hit_tokens,
         external_query_tokens=st.external_query_tokens,
         connector=connector.metrics() if connector is not None else {},
+        connector_histograms=connector.histograms() if connector is not None else {},
         integrity=integrity,
     )

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hybridkv.engine.stats import EngineStats
@@ -135,10 +135,16 @@ class _Snapshot(Collector):
                       s.external_hit_tokens)  # fmt: skip
         yield counter("hybridkv_kv_load_failures", "KV loads that failed.", s.kv_load_failures)
         for name, value in sorted(s.connector.items()):
+            full = name if name.startswith("vllm:") else f"hybridkv_{name}"
             if name.endswith("_total"):
-                yield counter(f"hybridkv_{name.removesuffix('_total')}", "KV connector counter.", value)
+                yield counter(full.removesuffix("_total"), "KV connector counter.", value)
             else:
-                yield gauge(f"hybridkv_{name}", "KV connector gauge.", value)
+                yield gauge(full, "KV connector gauge.", value)
+        for name, (bounds, counts, total) in sorted(s.connector_histograms.items()):
+            family = HistogramMetricFamily(name, "KV connector histogram.", labels=LABELS)
+            buckets = [(str(b), c) for b, c in zip(bounds, counts)] + [("+Inf", counts[-1])]
+            family.add_metric(labels, buckets, total)
+            yield family
 
 
 def cache_info(engine: LLMEngine) -> dict[str, str]:

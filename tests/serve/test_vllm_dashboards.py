@@ -1,7 +1,8 @@
-"""vLLM's Grafana dashboards against a real server: every series their panels query (names read from the
+"""vLLM's Grafana dashboards against real servers: every series their panels query (names read from the
 dashboards' PromQL into `vllm_dashboard_series.json`, with the commit they came from) is on /metrics, with the
-labels the queries select on. For the KV-cache dashboard the series we do not export yet are listed here, by
-panel group, and checked to be absent, so the list stays true as they are added."""
+labels the queries select on: the NIXL rows on a PD decoder that read KV, the offload rows on a server with a CPU
+tier that stored and loaded, the rest on a plain one. For the KV-cache dashboard the series we do not export yet
+are listed here, by panel group, and checked to be absent, so the list stays true as they are added."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from tests.metrics_util import parse
+from tests.procs import Process
 
 SERIES = json.loads((Path(__file__).parent / "vllm_dashboard_series.json").read_text())["dashboards"]
 NOT_YET = {  # KV-cache dashboard rows we do not feed yet (issue 32): a panel shows "No data" there
@@ -20,8 +23,6 @@ NOT_YET = {  # KV-cache dashboard rows we do not feed yet (issue 32): a panel sh
         "kv_block_idle_before_evict_seconds",
         "kv_block_reuse_gap_seconds",
     ),
-    "NIXL transfers (per-transfer histograms; ours are hybridkv_kv_transfer_*_total)": ("nixl_",),
-    "KV offloading (ours are hybridkv_kv_offload_*)": ("kv_offload_",),
     "KV fetch stages": ("num_requests_kv_fetch_by_stage",),
     "multimodal cache (no multimodal inputs here)": ("mm_cache_",),
     "SimpleCPUOffloadConnector (not a connector of ours)": ("simple_kv_offload_",),
@@ -50,15 +51,62 @@ def present(samples: dict[str, float], series: str) -> bool:
     return any(key == series or key.startswith(series + "{") for key in samples)
 
 
+ROWS = {"nixl_": "pd", "kv_offload_": "offload"}  # series prefix -> the server that feeds it
+
+
+@pytest.fixture(scope="module")
+def pd_samples() -> dict[str, float]:
+    """A PD decoder's /metrics after it read one prompt's KV from a prefill instance."""
+    from tests.pd.pd_util import complete, prefill_only, server
+
+    p, d = server(str(DEFAULT_MODEL_DIR)), server(str(DEFAULT_MODEL_DIR))
+    try:
+        prompt = "the quick brown fox jumps over the lazy dog " * 6
+        out = complete(d.url, prompt, kv_transfer_params=prefill_only(p, prompt))
+        assert out["choices"][0]["text"]
+        samples = parse(httpx.get(f"{d.url}/metrics", timeout=10).text)
+        assert samples["vllm:nixl_xfer_time_seconds_count"] == 1, samples  # the read happened
+        assert samples["vllm:nixl_bytes_transferred_sum"] == samples["hybridkv_kv_transfer_bytes_total"] > 0
+        return samples
+    finally:
+        p.stop()
+        d.stop()
+
+
+@pytest.fixture(scope="module")
+def offload_samples() -> dict[str, float]:
+    """/metrics of a server with a CPU offload tier after a prompt was stored, evicted from the device and loaded."""
+    server = Process("serve", "--threads", "1", "--kv-cache-memory", "3MiB", "--max-model-len", "512",
+                     "--kv-offload-cpu", "16MiB")  # fmt: skip
+    try:
+        # 400-500 tokens each in a 1536-token cache: the first is evicted from the device, the last loads it back
+        prompts = [f"{w} " * n for w, n in (("river", 90), ("stone", 90), ("cloud", 110), ("lamp", 150), ("river", 90))]
+        for prompt in prompts:
+            body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+            assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code == 200
+        samples = parse(httpx.get(f"{server.url}/metrics", timeout=10).text)
+        assert samples["vllm:kv_offload_load_bytes_total"] > 0, samples  # a load happened
+        assert samples["vllm:kv_offload_load_size_count"] >= 1 and samples["vllm:kv_offload_store_size_count"] >= 1
+        assert samples["vllm:kv_offload_lookup_sync_delay_seconds_count"] >= 1
+        return samples
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("dashboard", ["vllm-main", "vllm-kv-cache"])
-def test_every_series_a_dashboard_queries_is_exported(samples, dashboard):
+def test_every_series_a_dashboard_queries_is_exported(samples, pd_samples, offload_samples, dashboard):
     panels = SERIES[dashboard]["panels"]
     wanted = sorted({s for names in panels.values() for s in names})
-    missing = [s for s in wanted if not not_yet(s) and not present(samples, s)]
+    sources = {"pd": pd_samples, "offload": offload_samples}
+
+    def fed(series: str) -> dict[str, float]:
+        return next((sources[k] for prefix, k in ROWS.items() if family(series).startswith(prefix)), samples)
+
+    missing = [s for s in wanted if not not_yet(s) and not present(fed(s), s)]
     assert not missing, missing
     if dashboard == "vllm-main":
         assert not [s for s in wanted if not_yet(s)]  # the main dashboard needs none of the rows we lack
-    ahead = [s for s in wanted if not_yet(s) and present(samples, s)]
+    ahead = [s for s in wanted if not_yet(s) and present(fed(s), s)]
     assert not ahead, f"exported now: take them off NOT_YET: {ahead}"
 
 

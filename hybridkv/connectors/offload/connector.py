@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from hybridkv.connectors.base import ConnectorEvents, EngineIdentity, KVConnector, KVTransferConfig, register_connector
+from hybridkv.connectors.histogram import HistogramSnapshot
 from hybridkv.connectors.identity import compat_hash
 from hybridkv.connectors.mesh_auth import MeshKeys, load_secret
 from hybridkv.connectors.offload.config import CONNECTOR_NAME, OffloadConfig
@@ -33,7 +34,7 @@ from hybridkv.connectors.offload.cpu import CpuTier, EntryMeta
 from hybridkv.connectors.offload.disk import DiskTier
 from hybridkv.connectors.offload.key import Key
 from hybridkv.connectors.offload.loader import Loader
-from hybridkv.connectors.offload.stats import OffloadStats
+from hybridkv.connectors.offload.stats import LOOKUP_SYNC, OffloadStats, vllm_offload_series
 from hybridkv.connectors.offload.store import LoadItem, TieredStore
 from hybridkv.kv.events import MEDIUM_CPU, KVEventLog
 from hybridkv.kv.hashing import BlockHash
@@ -128,7 +129,9 @@ class OffloadingConnector(KVConnector):
         if end <= start:
             return 0
         self.looked_up.setdefault(req.request_id, False)
+        t0 = time.perf_counter()
         k = self.store.lookup(req.block_hashes, start, end, self.resume_unit)
+        self.stats.histograms[LOOKUP_SYNC].observe(time.perf_counter() - t0)
         if k == start:
             return 0
         self.store.touch(req.block_hashes, start, k)  # recency: what the request is about to load stays
@@ -248,7 +251,11 @@ class OffloadingConnector(KVConnector):
                 "kv_offload_corrupt_entries_total": float(self.disk.corrupt),
                 "kv_offload_disk_stores_skipped_total": float(self.disk.skipped),
             }
-        return out
+        loading = sum(len(load.items) for load in list(self.loader.loads.values()))  # slots being copied in
+        return out | vllm_offload_series(out, self.cpu.num_slots, loading, self.store.writes_pending)
+
+    def histograms(self) -> dict[str, HistogramSnapshot]:
+        return {name: h.snapshot() for name, h in self.stats.histograms.items()}
 
     def shutdown(self) -> None:
         self.store.flush()

@@ -30,6 +30,7 @@ from hybridkv.connectors.base import (
     finished_ok,
     register_connector,
 )
+from hybridkv.connectors.histogram import HistogramSnapshot
 from hybridkv.connectors.identity import compat_hash
 from hybridkv.connectors.mesh_auth import MeshKeys, load_secret
 from hybridkv.connectors.pd.descriptors import Placement
@@ -281,6 +282,9 @@ class NixlConnector(KVConnector):
     def dead_threads(self) -> list[str]:
         return [] if self.server.alive else ["KV side channel"]
 
+    def histograms(self) -> dict[str, HistogramSnapshot]:
+        return {name: h.snapshot() for name, h in self.reader.histograms.items()}
+
     def where(self) -> str:
         return f"side channel {self.host}:{self.port}"  # the port as bound (0 in the config: a free one)
 
@@ -295,6 +299,10 @@ class NixlConnector(KVConnector):
             "kv_side_channel_refused_total": float(self.server.refused_total),
             "kv_side_channel_busy_total": float(self.server.busy_total),
             "kv_peer_jobs_refused_total": float(self.reader.io.admission.refused_total),  # no worker, backed off
+            # vLLM's NIXL counters, under their meanings here
+            "vllm:nixl_num_kv_expired_reqs_total": float(self.leases.expired_total),
+            "vllm:nixl_num_notifications_after_expiry_total": float(self.leases.late_releases),
+            "vllm:nixl_num_failed_notifications_total": float(self.reader.io.failed_releases),
         }
 
     def shutdown(self) -> None:

@@ -36,6 +36,7 @@ class LeaseTable:
         self._lock = threading.Lock()
         self.expired_total = 0
         self.released_total = 0
+        self.late_releases = 0
         self.blocks = 0  # held by the leases not yet collected
 
     @staticmethod
@@ -69,6 +70,7 @@ class LeaseTable:
         with self._lock:
             lease = self._held(lease_id, signature)
             if lease is None:
+                self.late_releases += 1  # expired (or never ours): vLLM's notifications after expiry
                 return False
             lease.released = True
             return lease.deadline >= time.monotonic()

@@ -88,6 +88,7 @@ class PeerIO:
         self._handshaking: set[tuple[str, str, int]] = set()  # (engine id, host, port) asked and not answered
         self._workers: dict[tuple[str, int], queue.SimpleQueue[Job | None]] = {}
         self._lock = threading.Lock()
+        self.failed_releases = 0  # release messages that did not reach their prefill instance (under _lock)
         self._stopped = False
 
     def track(self, request_id: str, target: Target) -> None:
@@ -140,7 +141,13 @@ class PeerIO:
             return
 
         def run() -> PeerResult | None:
-            held = self._lease_op(target, op)
+            try:
+                held = self._lease_op(target, op)
+            except Exception:
+                if op is Op.RELEASE:  # the prefill was not told: its blocks wait for the lease to expire
+                    with self._lock:
+                        self.failed_releases += 1
+                raise
             return PeerResult(kind, request_id, held) if report else None
 
         self._submit(target.host, target.port, (run, kind, request_id if report else "", None))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.connectors.base import ConnectorEvents
+from hybridkv.connectors.pd import read_stats
 from hybridkv.connectors.pd.descriptors import Placement, block_moves, pair_descriptors
 from hybridkv.connectors.pd.peer_io import PeerIO, PeerResult, ResultKind, Target
 from hybridkv.connectors.pd.protocol import HandshakeRequest, LoadState, RemotePrefill, prompt_hash
@@ -72,14 +73,8 @@ class NixlReader:
         self.loads: dict[str, _Load] = {}
         self.peers: dict[str, Peer] = {}  # engine id -> what its handshake proved
         self._asked: set[tuple[str, str, int]] = set()  # (engine id, host, port) of handshakes in flight
-        self.stats = {
-            "kv_transfer_reads_total": 0.0,
-            "kv_transfer_bytes_total": 0.0,
-            "kv_transfer_descriptors_total": 0.0,
-            "kv_transfer_blocks_total": 0.0,
-            "kv_transfer_seconds_total": 0.0,
-            "kv_transfer_failures_total": 0.0,
-        }
+        self.stats = read_stats.new_counters()  # `read_stats`: what each means
+        self.histograms = read_stats.new_histograms()
 
     @property
     def reading(self) -> bool:
@@ -261,8 +256,12 @@ class NixlReader:
         try:
             load.handle = self.transport.read(descs, peer.agent)
         except Exception as e:
+            self.stats["vllm:nixl_num_failed_transfers_total"] += 1
             self._fail(load, f"NIXL read failed to start: {e}")
             return
+        self.histograms["vllm:nixl_post_time_seconds"].observe(time.monotonic() - submitted)
+        self.histograms["vllm:nixl_bytes_transferred"].observe(descs.nbytes)
+        self.histograms["vllm:nixl_num_descriptors"].observe(descs.count)
         load.state, load.started = LoadState.READING, submitted
         self.stats["kv_transfer_reads_total"] += 1
         self.stats["kv_transfer_bytes_total"] += descs.nbytes
@@ -283,9 +282,11 @@ class NixlReader:
             events.released.append(load.request_id)
             self.io.release_tracked(load.request_id, False)
         elif state == "DONE":
+            self.histograms["vllm:nixl_xfer_time_seconds"].observe(time.monotonic() - load.started)
             load.state = LoadState.RELEASING
             self.io.release_tracked(load.request_id, True)
         else:
+            self.stats["vllm:nixl_num_failed_transfers_total"] += 1
             self._fail(load, "the read from the prefill instance failed" if state == "ERR" else "the read timed out")
 
     def _fail(self, load: _Load, reason: str) -> None:
