@@ -71,8 +71,10 @@ def main() -> None:
                     before = connector(d)
                     pd.append(ttft(x.url, [rng.randrange(4, vocab) for _ in range(length)]))
                     after = connector(d)
-                    moved.append((after["kv_transfer_bytes_total"] - before["kv_transfer_bytes_total"],
-                                  after["kv_transfer_descriptors_total"] - before["kv_transfer_descriptors_total"]))  # fmt: skip
+                    delta = {
+                        k: after[k] - before[k] for k in ("kv_transfer_bytes_total", "kv_transfer_descriptors_total")
+                    }
+                    moved.append((delta["kv_transfer_bytes_total"], delta["kv_transfer_descriptors_total"]))
                 sent = params_bytes(p, d, [rng.randrange(4, vocab) for _ in range(length)])
                 rows.append((layout, length, statistics.median(one), statistics.median(pd), moved[-1], sent))
         finally:

@@ -91,6 +91,12 @@ def serve(
     enable_prefix_caching: EnablePrefixCaching = True,
     prefix_caching_hash_algo: PrefixCachingHashAlgo = "hybridkv",
     seed: Seed = None,
+    kv_cache_metrics: Annotated[
+        bool, typer.Option(help="sample cached blocks' lifetime, idle time before eviction and reuse gaps")
+    ] = False,
+    kv_cache_metrics_sample: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="the share of cached blocks --kv-cache-metrics samples")
+    ] = 0.01,
     tensor_parallel_size: TensorParallelSize = 1,
     enforce_eager: EnforceEager = False,
     trust_remote_code: TrustRemoteCode = False,
@@ -174,6 +180,8 @@ def serve(
             kv_cache_memory=resolve_memory(kv_cache_memory, gpu_memory_utilization) or "1GiB",
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,
+            kv_cache_metrics=kv_cache_metrics,
+            kv_cache_metrics_sample=kv_cache_metrics_sample,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             block_size=block_size,

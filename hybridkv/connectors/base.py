@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridkv.connectors.histogram import HistogramSnapshot
 from hybridkv.json_config import json_object
 from hybridkv.kv.events import KVEventLog
 from hybridkv.kv.hashing import BlockHash
+from hybridkv.kv.histogram import HistogramSnapshot
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
 from hybridkv.request.state import Request, RequestStatus
@@ -82,6 +82,11 @@ class EngineIdentity:
 
 class TransferRefused(Exception):
     """kv_transfer_params that parsed but did not verify, under kv_load_failure_policy "fail" (an HTTP 403)."""
+
+
+# A load's stages as vLLM's gauge names them: not started yet (a handshake, a lease to confirm), KV arriving, KV in
+# and the request waiting to run.
+FETCH_STAGES = ("waiting_to_start", "in_progress", "completed_waiting")
 
 
 class KVConnector:
@@ -184,6 +189,10 @@ class KVConnector:
     def metrics(self) -> dict[str, float]:
         """Counters and gauges for /metrics: names without the hybridkv_ prefix, or vLLM's own ("vllm:..."); a
         name ending in _total is a counter."""
+        return {}
+
+    def fetch_stages(self) -> dict[str, int]:
+        """Requests loading KV by stage (FETCH_STAGES; vLLM's num_requests_kv_fetch_by_stage)."""
         return {}
 
     def histograms(self) -> dict[str, HistogramSnapshot]:

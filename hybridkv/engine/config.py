@@ -34,6 +34,9 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     # vLLM's --seed: seeds the sampler of requests that give no seed of their own (None: unseeded).
     seed: int | None = None
+    # vLLM's --kv-cache-metrics: sample this share of cached blocks for the residency histograms (`kv.residency`).
+    kv_cache_metrics: bool = False
+    kv_cache_metrics_sample: float = 0.01
     max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 8192
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
@@ -83,6 +86,8 @@ class EngineConfig:
                 f"got {self.mamba_ssm_cache_dtype!r}"
             )
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if not 0 < self.kv_cache_metrics_sample <= 1:
+            raise ValueError(f"kv_cache_metrics_sample must be in (0, 1], got {self.kv_cache_metrics_sample}")
         u = self.gpu_memory_utilization
         if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")

@@ -31,6 +31,7 @@ from hybridkv.kv.coordinator import KVCacheCoordinator
 from hybridkv.kv.events import MEDIUM_GPU, KVEventLog, public
 from hybridkv.kv.hashing import BlockHasher, is_private
 from hybridkv.kv.model_kv import load_hf_config
+from hybridkv.kv.residency import ResidencySampler
 from hybridkv.models.registry import load_model
 from hybridkv.request.prompt import check_prompt
 from hybridkv.request.sampling_params import SamplingParams
@@ -70,6 +71,7 @@ class LLMEngine:
         self.kv = KVCacheCoordinator(
             self.plan, enable_prefix_caching=config.enable_prefix_caching, events=self.kv_events, resume_unit=unit,
             state_cache_memory=config.state_cache_memory,
+            residency=ResidencySampler(config.kv_cache_metrics_sample) if config.kv_cache_metrics else None,
         )  # fmt: skip
         self.runner = ModelRunner(self.model, self.plan, self.device, self.exact_unit)
         self.connector: KVConnector | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hybridkv.connectors.histogram import HistogramSnapshot
+from hybridkv.kv.histogram import HistogramSnapshot
 
 if TYPE_CHECKING:
     from hybridkv.connectors.base import KVConnector
@@ -37,7 +37,8 @@ class EngineStats:
     prompt_local_hit_tokens: int = 0  # prompt tokens found cached at first admission
     external_query_tokens: int = 0  # prompt tokens asked of a connector at first admission
     connector: dict[str, float] = field(default_factory=dict)
-    connector_histograms: dict[str, HistogramSnapshot] = field(default_factory=dict)
+    connector_histograms: dict[str, HistogramSnapshot] = field(default_factory=dict)  # and the pool's residency
+    kv_fetch_stages: dict[str, int] = field(default_factory=dict)  # requests loading KV, by stage
     integrity: str | None = None  # "ok" or "violated: ..." when the snapshot checked the invariants
 
     @property
@@ -81,6 +82,8 @@ def snapshot(
         prompt_local_hit_tokens=st.prompt_local_hit_tokens,
         external_query_tokens=st.external_query_tokens,
         connector=connector.metrics() if connector is not None else {},
-        connector_histograms=connector.histograms() if connector is not None else {},
+        kv_fetch_stages=connector.fetch_stages() if connector is not None else {},
+        connector_histograms=(connector.histograms() if connector is not None else {})
+        | (pool.residency.snapshot() if pool.residency is not None else {}),
         integrity=integrity,
     )

@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from hybridkv.kv.blocks import Block, CacheKey, FreeBlockQueue
 from hybridkv.kv.events import AllBlocksCleared, KVEventLog
 from hybridkv.kv.hashing import BlockHash
+from hybridkv.kv.residency import ResidencySampler
 
 
 def _least_compute_per_byte(idle: list[Block]) -> int:
@@ -60,6 +61,7 @@ class BlockPool:
         enable_caching: bool = True,
         events: KVEventLog | None = None,
         max_idle_checkpoints: int | None = None,
+        residency: ResidencySampler | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
@@ -71,6 +73,7 @@ class BlockPool:
         self.cached: dict[CacheKey, Block] = {}
         self.enable_caching = enable_caching
         self.events = events  # None: no KV events (the default; nothing is recorded)
+        self.residency = residency  # None: no residency sampling (the default)
         self.queued_tails = 0  # tails of the bundle heads in the free queue (freed when those heads are evicted)
         self.spares: list[Block] = []  # uncached free bundles, kept whole (heads; ref_cnt 0, in no queue)
         self.spare_pages = 0
@@ -142,6 +145,8 @@ class BlockPool:
             del self.cached[block.key]
             if self.events is not None:
                 self.events.removed(*block.key)
+            if self.residency is not None:
+                self.residency.evicted(block.block_id)
             block.key = None
         if block.pages is not None:  # an evicted head: its tails are free now, to be used first
             self._dissolve(block)
@@ -173,6 +178,8 @@ class BlockPool:
                     self.queued_tails -= len(block.pages) - 1
                     self.idle_checkpoints.pop(block.block_id, None)
             block.ref_cnt += 1
+            if self.residency is not None and block.key is not None:
+                self.residency.used(block.block_id)
 
     def refresh(self, blocks: Iterable[Block]) -> None:
         """Move queued cached blocks to the recent end of the queue (they were just found useful), in order."""
@@ -228,6 +235,8 @@ class BlockPool:
         self.cached[key] = block
         block.key = key
         block.tokens = tokens
+        if self.residency is not None:
+            self.residency.cached(block.block_id)
         return True
 
     def reset_prefix_cache(self) -> int:

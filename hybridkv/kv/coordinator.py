@@ -13,6 +13,7 @@ from hybridkv.kv.kinds import manager_for
 from hybridkv.kv.managers import GroupManager
 from hybridkv.kv.plan import KVPlan
 from hybridkv.kv.prefix import common_resume_block, reusable_tokens
+from hybridkv.kv.residency import ResidencySampler
 from hybridkv.kv.state_manager import StateManager
 
 
@@ -45,19 +46,19 @@ class KVCacheCoordinator:
         events: KVEventLog | None = None,
         resume_unit: int = 1,
         state_cache_memory: int | None = None,
+        residency: ResidencySampler | None = None,
     ) -> None:
         """`events`: where the pool's cached-set changes are logged (KV events); None records nothing.
         `resume_unit`: prefix hits end at a multiple of this many blocks (an exact engine's split unit).
-        `state_cache_memory`: bytes the state checkpoints nobody holds may keep (None: what the pool has free)."""
+        `state_cache_memory`: bytes the state checkpoints nobody holds may keep (None: what the pool has free).
+        `residency`: samples how long cached blocks stay (vLLM's --kv-cache-metrics); None samples nothing."""
         self.plan = plan
         self.resume_unit = resume_unit
         self.block_size = plan.block_size
         idle = None
         if state_cache_memory is not None and plan.state is not None:
             idle = state_cache_memory // plan.state.bytes_per_request
-        self.pool = BlockPool(
-            plan.num_blocks, enable_caching=enable_prefix_caching, events=events, max_idle_checkpoints=idle
-        )
+        self.pool = BlockPool(plan.num_blocks, enable_prefix_caching, events, idle, residency)
         self.managers: list[GroupManager] = [manager_for(g.spec)(g, self.pool) for g in plan.groups]
         self.state_manager = None
         if plan.state is not None:

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hybridkv.connectors.base import FETCH_STAGES
 from hybridkv.engine.stats import EngineStats
 from hybridkv.request.state import Request
 
@@ -98,6 +99,9 @@ class _Snapshot(Collector):
         # capacity: waiting for blocks or a batch slot; deferred: holding blocks while a connector loads their KV.
         yield by("vllm:num_requests_waiting_by_reason", "Requests waiting, by reason.", "reason",
                  {"capacity": s.waiting, "deferred": s.waiting_for_kv}, GaugeMetricFamily)  # fmt: skip
+        stages = {stage: s.kv_fetch_stages.get(stage, 0) for stage in FETCH_STAGES}
+        yield by("vllm:num_requests_kv_fetch_by_stage", "Requests loading KV through a connector, by stage.",
+                 "stage", stages, GaugeMetricFamily)  # fmt: skip
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.",
                                  labels=[*LABELS, *self.cache_info])  # fmt: skip
         info.add_metric([*labels, *self.cache_info.values()], 1.0)

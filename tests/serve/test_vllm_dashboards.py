@@ -1,8 +1,9 @@
 """vLLM's Grafana dashboards against real servers: every series their panels query (names read from the
 dashboards' PromQL into `vllm_dashboard_series.json`, with the commit they came from) is on /metrics, with the
-labels the queries select on: the NIXL rows on a PD decoder that read KV, the offload rows on a server with a CPU
-tier that stored and loaded, the rest on a plain one. For the KV-cache dashboard the series we do not export yet
-are listed here, by panel group, and checked to be absent, so the list stays true as they are added."""
+labels the queries select on: the NIXL rows on a PD decoder that read KV, the offload and block-residency rows on
+a server with a CPU tier that stored, evicted and loaded, the rest on a plain one. For the KV-cache dashboard the
+series we do not export yet are listed here, by panel group, and checked to be absent, so the list stays true as
+they are added."""
 
 from __future__ import annotations
 
@@ -18,12 +19,6 @@ from tests.procs import Process
 
 SERIES = json.loads((Path(__file__).parent / "vllm_dashboard_series.json").read_text())["dashboards"]
 NOT_YET = {  # KV-cache dashboard rows we do not feed yet (issue 32): a panel shows "No data" there
-    "KV block residency (vLLM's --kv-cache-metrics sampling)": (
-        "kv_block_lifetime_seconds",
-        "kv_block_idle_before_evict_seconds",
-        "kv_block_reuse_gap_seconds",
-    ),
-    "KV fetch stages": ("num_requests_kv_fetch_by_stage",),
     "multimodal cache (no multimodal inputs here)": ("mm_cache_",),
     "SimpleCPUOffloadConnector (not a connector of ours)": ("simple_kv_offload_",),
 }
@@ -51,7 +46,7 @@ def present(samples: dict[str, float], series: str) -> bool:
     return any(key == series or key.startswith(series + "{") for key in samples)
 
 
-ROWS = {"nixl_": "pd", "kv_offload_": "offload"}  # series prefix -> the server that feeds it
+ROWS = {"nixl_": "pd", "kv_offload_": "offload", "kv_block_": "offload"}  # series prefix -> the server feeding it
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +70,10 @@ def pd_samples() -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def offload_samples() -> dict[str, float]:
-    """/metrics of a server with a CPU offload tier after a prompt was stored, evicted from the device and loaded."""
+    """/metrics of a server with a CPU offload tier after a prompt was stored, evicted from the device and loaded;
+    it samples every cached block's residency (--kv-cache-metrics)."""
     server = Process("serve", "--threads", "1", "--kv-cache-memory", "3MiB", "--max-model-len", "512",
-                     "--kv-offload-cpu", "16MiB")  # fmt: skip
+                     "--kv-offload-cpu", "16MiB", "--kv-cache-metrics", "--kv-cache-metrics-sample", "1")  # fmt: skip
     try:
         # 400-500 tokens each in a 1536-token cache: the first is evicted from the device, the last loads it back
         prompts = [f"{w} " * n for w, n in (("river", 90), ("stone", 90), ("cloud", 110), ("lamp", 150), ("river", 90))]
@@ -88,6 +84,7 @@ def offload_samples() -> dict[str, float]:
         assert samples["vllm:kv_offload_load_bytes_total"] > 0, samples  # a load happened
         assert samples["vllm:kv_offload_load_size_count"] >= 1 and samples["vllm:kv_offload_store_size_count"] >= 1
         assert samples["vllm:kv_offload_lookup_sync_delay_seconds_count"] >= 1
+        assert samples["vllm:kv_block_lifetime_seconds_count"] >= 1  # blocks were evicted
         return samples
     finally:
         server.stop()
@@ -111,6 +108,8 @@ def test_every_series_a_dashboard_queries_is_exported(samples, pd_samples, offlo
 
 
 def test_labels_the_queries_select_on(samples):
+    for stage in ("waiting_to_start", "in_progress", "completed_waiting"):
+        assert f'vllm:num_requests_kv_fetch_by_stage{{stage="{stage}"}}' in samples
     for reason in ("capacity", "deferred"):
         assert f'vllm:num_requests_waiting_by_reason{{reason="{reason}"}}' in samples
     for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):

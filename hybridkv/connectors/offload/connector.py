@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from hybridkv.connectors.base import ConnectorEvents, EngineIdentity, KVConnector, KVTransferConfig, register_connector
-from hybridkv.connectors.histogram import HistogramSnapshot
 from hybridkv.connectors.identity import compat_hash
 from hybridkv.connectors.mesh_auth import MeshKeys, load_secret
 from hybridkv.connectors.offload.config import CONNECTOR_NAME, OffloadConfig
@@ -38,6 +37,7 @@ from hybridkv.connectors.offload.stats import LOOKUP_SYNC, OffloadStats, vllm_of
 from hybridkv.connectors.offload.store import LoadItem, TieredStore
 from hybridkv.kv.events import MEDIUM_CPU, KVEventLog
 from hybridkv.kv.hashing import BlockHash
+from hybridkv.kv.histogram import HistogramSnapshot
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
 from hybridkv.kv.prefix import reusable_tokens
@@ -253,6 +253,9 @@ class OffloadingConnector(KVConnector):
             }
         loading = sum(len(load.items) for load in list(self.loader.loads.values()))  # slots being copied in
         return out | vllm_offload_series(out, self.cpu.num_slots, loading, self.store.writes_pending)
+
+    def fetch_stages(self) -> dict[str, int]:
+        return {"in_progress": len(self.loader.loads)}  # a lookup answers at once: loads start when admitted
 
     def histograms(self) -> dict[str, HistogramSnapshot]:
         return {name: h.snapshot() for name, h in self.stats.histograms.items()}

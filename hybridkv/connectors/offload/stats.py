@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-from hybridkv.connectors.histogram import BYTES, SECONDS, CumulativeHistogram
+from hybridkv.kv.histogram import BYTES, SECONDS, CumulativeHistogram
 
 DIRECTIONS = ("device_to_cpu", "cpu_to_device", "cpu_to_disk", "disk_to_cpu")
 COUNTERS = ("hits", "misses", "cpu_hit_blocks", "disk_hit_blocks", "load_failures", "cpu_stores_skipped")

@@ -30,9 +30,9 @@ from hybridkv.connectors.base import (
     finished_ok,
     register_connector,
 )
-from hybridkv.connectors.histogram import HistogramSnapshot
 from hybridkv.connectors.identity import compat_hash
 from hybridkv.connectors.mesh_auth import MeshKeys, load_secret
+from hybridkv.connectors.pd import read_stats
 from hybridkv.connectors.pd.descriptors import Placement
 from hybridkv.connectors.pd.leases import LeaseTable
 from hybridkv.connectors.pd.params import ParamLimits, is_loopback, parse_transfer_params
@@ -56,6 +56,7 @@ from hybridkv.connectors.pd.reader import NixlReader
 from hybridkv.connectors.pd.side_channel_server import SideChannelServer
 from hybridkv.connectors.pd.transport import NixlTransport
 from hybridkv.connectors.pd.used_leases import UsedLeases
+from hybridkv.kv.histogram import HistogramSnapshot
 from hybridkv.kv.memory import KVCacheMemory
 from hybridkv.kv.plan import KVPlan
 from hybridkv.request.state import Request
@@ -281,6 +282,9 @@ class NixlConnector(KVConnector):
 
     def dead_threads(self) -> list[str]:
         return [] if self.server.alive else ["KV side channel"]
+
+    def fetch_stages(self) -> dict[str, int]:
+        return read_stats.fetch_stages([load.state for load in list(self.reader.loads.values())])
 
     def histograms(self) -> dict[str, HistogramSnapshot]:
         return {name: h.snapshot() for name, h in self.reader.histograms.items()}
