@@ -138,12 +138,26 @@ class _Snapshot(Collector):
         yield counter("hybridkv_external_hit_tokens", "Prompt tokens a connector loaded instead of computing.",
                       s.external_hit_tokens)  # fmt: skip
         yield counter("hybridkv_kv_load_failures", "KV loads that failed.", s.kv_load_failures)
-        for name, value in sorted(s.connector.items()):
+        labeled: dict[str, Metric] = {}  # entries 'name{label="value"}': one family per name
+        for key, value in sorted(s.connector.items()):
+            name, _, label = key.partition("{")
             full = name if name.startswith("vllm:") else f"hybridkv_{name}"
-            if name.endswith("_total"):
-                yield counter(full.removesuffix("_total"), "KV connector counter.", value)
-            else:
-                yield gauge(full, "KV connector gauge.", value)
+            counts = name.endswith("_total")
+            kind, full = (CounterMetricFamily, full.removesuffix("_total")) if counts else (GaugeMetricFamily, full)
+            if not label:
+                yield (
+                    counter(full, "KV connector counter.", value)
+                    if counts
+                    else gauge(full, "KV connector gauge.", value)
+                )
+                continue
+            label_name, _, label_value = label.rstrip("}").partition("=")
+            family = labeled.setdefault(full, kind(full, "KV connector metric.", labels=[*LABELS, label_name]))
+            family.add_metric([*labels, label_value.strip('"')], value)
+        yield from labeled.values()
+        # No multimodal inputs here: vLLM's multimodal cache is never asked (its dashboard reads zero).
+        yield counter("vllm:mm_cache_queries", "Multimodal cache queries (none: no multimodal inputs).", 0)
+        yield counter("vllm:mm_cache_hits", "Multimodal cache hits (none: no multimodal inputs).", 0)
         for name, (bounds, counts, total) in sorted(s.connector_histograms.items()):
             family = HistogramMetricFamily(name, "KV connector histogram.", labels=LABELS)
             buckets = [(str(b), c) for b, c in zip(bounds, counts)] + [("+Inf", counts[-1])]

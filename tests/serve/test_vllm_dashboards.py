@@ -1,9 +1,8 @@
 """vLLM's Grafana dashboards against real servers: every series their panels query (names read from the
 dashboards' PromQL into `vllm_dashboard_series.json`, with the commit they came from) is on /metrics, with the
-labels the queries select on: the NIXL rows on a PD decoder that read KV, the offload and block-residency rows on
-a server with a CPU tier that stored, evicted and loaded, the rest on a plain one. For the KV-cache dashboard the
-series we do not export yet are listed here, by panel group, and checked to be absent, so the list stays true as
-they are added."""
+labels the queries select on: the NIXL rows on a PD decoder that read KV, the offload (both connectors' names) and
+block-residency rows on a server with a CPU tier that stored, evicted and loaded, the rest on a plain one. The
+multimodal-cache series read zero (no multimodal inputs here)."""
 
 from __future__ import annotations
 
@@ -18,19 +17,11 @@ from tests.metrics_util import parse
 from tests.procs import Process
 
 SERIES = json.loads((Path(__file__).parent / "vllm_dashboard_series.json").read_text())["dashboards"]
-NOT_YET = {  # KV-cache dashboard rows we do not feed yet (issue 32): a panel shows "No data" there
-    "multimodal cache (no multimodal inputs here)": ("mm_cache_",),
-    "SimpleCPUOffloadConnector (not a connector of ours)": ("simple_kv_offload_",),
-}
 
 
 def family(series: str) -> str:
     """The sample name a scraper sees for `series` (histogram parts and counters keep their suffix)."""
     return series.removeprefix("vllm:")
-
-
-def not_yet(series: str) -> bool:
-    return any(family(series).startswith(prefix) for prefixes in NOT_YET.values() for prefix in prefixes)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +37,7 @@ def present(samples: dict[str, float], series: str) -> bool:
     return any(key == series or key.startswith(series + "{") for key in samples)
 
 
-ROWS = {"nixl_": "pd", "kv_offload_": "offload", "kv_block_": "offload"}  # series prefix -> the server feeding it
+ROWS = {"nixl_": "pd", "kv_offload_": "offload", "kv_block_": "offload", "simple_kv_offload_": "offload"}
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +90,8 @@ def test_every_series_a_dashboard_queries_is_exported(samples, pd_samples, offlo
     def fed(series: str) -> dict[str, float]:
         return next((sources[k] for prefix, k in ROWS.items() if family(series).startswith(prefix)), samples)
 
-    missing = [s for s in wanted if not not_yet(s) and not present(fed(s), s)]
+    missing = [s for s in wanted if not present(fed(s), s)]
     assert not missing, missing
-    if dashboard == "vllm-main":
-        assert not [s for s in wanted if not_yet(s)]  # the main dashboard needs none of the rows we lack
-    ahead = [s for s in wanted if not_yet(s) and present(fed(s), s)]
-    assert not ahead, f"exported now: take them off NOT_YET: {ahead}"
 
 
 def test_labels_the_queries_select_on(samples):

@@ -252,7 +252,8 @@ class OffloadingConnector(KVConnector):
                 "kv_offload_disk_stores_skipped_total": float(self.disk.skipped),
             }
         loading = sum(len(load.items) for load in list(self.loader.loads.values()))  # slots being copied in
-        return out | vllm_offload_series(out, self.cpu.num_slots, loading, self.store.writes_pending)
+        used = self.cpu.used_bytes // self.cpu.slot_bytes
+        return out | vllm_offload_series(out, self.cpu.num_slots, used, loading, self.store.writes_pending)
 
     def fetch_stages(self) -> dict[str, int]:
         return {"in_progress": len(self.loader.loads)}  # a lookup answers at once: loads start when admitted

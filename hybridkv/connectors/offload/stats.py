@@ -50,11 +50,11 @@ class OffloadStats:
             return dict(self._values)
 
 
-def vllm_offload_series(ours: dict[str, float], slots: int, loading: int, writing: int) -> dict[str, float]:
+def vllm_offload_series(ours: dict[str, float], slots: int, used: int, loading: int, writing: int) -> dict[str, float]:
     """vLLM's OffloadingConnector series from ours: load = CPU -> device, store = device -> CPU; stores skipped for
     want of a free CPU slot are its allocation failures (and, with the disk tier's skipped writes, its skipped
     stores); usage is the share of CPU slots pinned by transfers in flight (loads copying in, disk writes
-    reading out)."""
+    reading out). A name may carry one label: 'name{label="value"}'."""
     read, write = loading / slots, writing / slots
     return {
         "vllm:kv_offload_load_bytes_total": ours["kv_offload_cpu_to_device_bytes_total"],
@@ -67,4 +67,11 @@ def vllm_offload_series(ours: dict[str, float], slots: int, loading: int, writin
         "vllm:kv_offload_cpu_cache_read_usage_perc": read,
         "vllm:kv_offload_cpu_cache_write_usage_perc": write,
         "vllm:kv_offload_cpu_cache_usage_perc": read + write,
+        # vLLM's SimpleCPUOffloadConnector's names for the same CPU tier: blocks held, loaded, stored or skipped;
+        # a store completes within the engine step that starts it, so none is ever pending at a snapshot.
+        "vllm:simple_kv_offload_used_blocks": float(used),
+        "vllm:simple_kv_offload_pending_store_blocks": 0.0,
+        "vllm:simple_kv_offload_load_blocks_total": ours["kv_offload_cpu_to_device_blocks_total"],
+        'vllm:simple_kv_offload_save_outcomes_total{outcome="stored"}': ours["kv_offload_device_to_cpu_blocks_total"],
+        'vllm:simple_kv_offload_save_outcomes_total{outcome="skipped"}': ours["kv_offload_cpu_stores_skipped_total"],
     }
