@@ -7,6 +7,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from hybridkv.models.fused import fused_ops
 from hybridkv.request.outputs import TokenLogprob
 from hybridkv.request.sampling_params import SamplingParams
 
@@ -39,6 +40,8 @@ def sample(
     A constrained row builds its mask only when a cheaper exact way fails (`_constrained`): greedy, when none of
     its best few tokens settles the choice; at a temperature alone, when a draw from the whole row is forbidden.
     With top-k or top-p it is masked first."""
+    if not any(banned) and not constraints and all(p.greedy and not p.penalized and not p.logit_bias for p in params):
+        return greedy(logits)
     logits = logits.float()
     if any(banned) or any(p.penalized or p.logit_bias for p in params):
         logits = logits.clone()  # the caller's logits stay raw (logprobs read them), and may be inference tensors
@@ -63,6 +66,16 @@ def sample(
         elif not p.greedy:
             out[i] = _guarded(errors, i, out[i], _draw, logits[i], p, generators[i])
     return out
+
+
+def greedy(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax, as `logits.float().argmax(-1)` gives it (the first largest; a NaN row its first NaN):
+    read in place by the native kernel on CPU, which skips the float32 copy of a [M, vocab] batch (a bfloat16
+    batch of 16 x 248k logits: ~0.6 ms against ~3.7 ms); torch's argmax elsewhere."""
+    ops = fused_ops() if logits.device.type == "cpu" and logits.dim() == 2 and logits.size(0) > 0 else None
+    if ops is not None and logits.dtype in (torch.float32, torch.bfloat16) and logits.stride(-1) == 1:
+        return ops.row_argmax(logits).tolist()
+    return logits.float().argmax(dim=-1).tolist()
 
 
 def _constrained(

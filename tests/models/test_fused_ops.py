@@ -60,3 +60,32 @@ def test_refuses_what_it_does_not_handle(ops):
         ops.act_and_mul(torch.randn(2, 8), 5)
     with pytest.raises(RuntimeError, match="weight"):
         ops.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [248_320, 1000, 16, 7], ids=["qwen3.5", "tail", "one-vector", "scalar-only"])
+def test_row_argmax_is_torch_argmax(ops, dtype, vocab):
+    """Rows as the sampler meets them: random, ties at the maximum (the first wins, also across SIMD lanes and in
+    the tail), all -inf, NaN anywhere (torch answers the first NaN), -0.0 beside 0.0, a strided view of rows."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(12, vocab + 5, generator=g).to(dtype)[:, :vocab]  # row stride vocab + 5
+    x[1, :] = float("-inf")
+    x[2, vocab // 3] = x[2, vocab - 1] = 50.0  # a tie between two lanes (or the tail)
+    x[3, vocab - 1] = 60.0  # the largest in the tail
+    x[4, vocab // 2] = float("nan")
+    x[5, [0, vocab - 1]] = float("nan")
+    x[6, :] = 0.0
+    x[6, vocab // 2] = -0.0
+    x[7, 0] = 70.0  # the largest first
+    x[8, min(17, vocab - 1)] = x[8, vocab - 1] = 80.0
+    want = x.float().argmax(dim=-1)
+    assert ops.row_argmax(x).tolist() == want.tolist()
+
+
+def test_row_argmax_refuses_what_it_cannot_read(ops):
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        ops.row_argmax(torch.randn(8, 4).t())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.row_argmax(torch.randn(2, 4).double())
+    with pytest.raises(RuntimeError, match="1 to 2"):
+        ops.row_argmax(torch.randn(2, 0))

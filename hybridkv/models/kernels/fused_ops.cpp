@@ -2,7 +2,9 @@
 // to the tensor's dtype at the end (plain torch rounds after every op in bfloat16):
 //   act_and_mul(x [n, 2I]) -> [n, I]: act(x[:, :I]) * x[:, I:], act = silu or GELU (tanh approximation);
 //   rms_norm(x [n, d] or [n, h, d], w [d] float32, eps) -> x / sqrt(mean(x^2) + eps) * w per row of d (w holds
-//   any 1 + offset), contiguous out; x's rows may be strided (q and k heads viewed out of a fused projection).
+//   any 1 + offset), contiguous out; x's rows may be strided (q and k heads viewed out of a fused projection);
+//   row_argmax(x [n, v]) -> int64 [n]: torch.argmax's answer per row (the first largest value; a row holding NaN
+//   gives its first NaN), read in place from bfloat16 rows (no float32 copy of the logits).
 // Rows are independent: a row's bits do not depend on the rows beside it or on the thread count.
 #include <torch/extension.h>
 
@@ -116,9 +118,62 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return out;
 }
 
+template <typename T>
+int64_t argmax_row(const T* x, int64_t v) {
+  int64_t i = 0, best_i = 0;
+  float best = v > 0 ? static_cast<float>(x[0]) : 0.f;
+  bool nan = false;
+#if defined(__AVX512F__)
+  if (v >= 16) {
+    // Lane l keeps the first largest of x[l], x[l + 16], ...; the answer is the smallest index among the lanes
+    // that hold the row's largest value.
+    __m512 lane_max = load16(x);
+    __m512i lane_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i idx = lane_idx;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 unordered = _mm512_cmp_ps_mask(lane_max, lane_max, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= v; i += 16) {
+      idx = _mm512_add_epi32(idx, step);
+      const __m512 y = load16(x + i);
+      unordered |= _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+      const __mmask16 gt = _mm512_cmp_ps_mask(y, lane_max, _CMP_GT_OQ);
+      lane_max = _mm512_mask_mov_ps(lane_max, gt, y);
+      lane_idx = _mm512_mask_mov_epi32(lane_idx, gt, idx);
+    }
+    nan = unordered != 0;
+    best = _mm512_reduce_max_ps(lane_max);
+    const __mmask16 at_best = _mm512_cmp_ps_mask(lane_max, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    best_i = _mm512_mask_reduce_min_epi32(at_best, lane_idx);
+  }
+#endif
+  for (; i < v && !nan; ++i) {
+    const float y = static_cast<float>(x[i]);
+    if (std::isnan(y)) nan = true;
+    if (y > best) best = y, best_i = i;
+  }
+  if (nan)
+    for (i = 0; i < v; ++i)
+      if (std::isnan(static_cast<float>(x[i]))) return i;
+  return best_i;
+}
+
+torch::Tensor row_argmax(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [n, v] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) < (int64_t{1} << 31), "x's rows must hold 1 to 2^31 - 1 values");
+  const int64_t rows = x.size(0), v = x.size(1), stride = x.stride(0);
+  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    o[r] = x.scalar_type() == at::kBFloat16 ? argmax_row(x.data_ptr<c10::BFloat16>() + r * stride, v)
+                                            : argmax_row(x.data_ptr<float>() + r * stride, v);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("act_and_mul", &act_and_mul, "act(gate) * up over [n, 2I] -> [n, I] (0 silu, 1 gelu_tanh)");
   m.def("rms_norm", &rms_norm, "x / rms(x) * weight per row, float32 inside");
+  m.def("row_argmax", &row_argmax, "torch.argmax(x, dim=1) of [n, v] rows, bfloat16 read in place");
 }
