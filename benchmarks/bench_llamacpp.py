@@ -10,11 +10,11 @@ the bytes one decode step must read (every projection's weight and the tied logi
 packed bf16 weights) at this process's measured read bandwidth (a 512 MiB sum, best of three); batched, the
 projections' arithmetic (2 FLOP per weight per token) at this process's best bf16 matmul rate (`matmul_peak`).
 
-Needs a llama.cpp tree built as recipes.md says (`cmake --build build --target llama-bench llama-batched-bench`
-in `llama-cpp-python`'s vendor/llama.cpp):
+Needs llama.cpp's two benchmark tools, built from `llama-cpp-python`'s vendored tree by
+`bash benchmarks/setup_llama_cpp.sh` (once per machine; it prints the tree to pass):
 
-    python benchmarks/bench_llamacpp.py --llama-cpp /tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp \
-        [--models /tmp/models] [--threads 1] [--repeats 3] [--cases single,batched]
+    python benchmarks/bench_llamacpp.py --llama-cpp DIR [--models /tmp/models] [--threads 1] [--repeats 3] \
+        [--cases single,batched]   # DIR: the tree setup_llama_cpp.sh printed
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def main() -> None:
     args = ap.parse_args()
     bin_dir = args.llama_cpp / "build" / "bin"
     if not (bin_dir / "llama-bench").exists():
-        raise SystemExit(f"no {bin_dir / 'llama-bench'}: build llama.cpp's tools first (recipes.md)")
+        raise SystemExit(f"no {bin_dir / 'llama-bench'}: run benchmarks/setup_llama_cpp.sh first")
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(HERE))
     from hybrid_models import build
