@@ -9,6 +9,8 @@ order, whichever the layout), and `state_plan.StateLayout` says which bytes of t
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from hybridkv.kv.plan import KVPlan
@@ -18,7 +20,7 @@ class KVCacheMemory:
     def __init__(self, plan: KVPlan, device: str | torch.device = "cpu") -> None:
         self.plan = plan
         self.device = torch.device(device)
-        self.buffers = [torch.zeros(size, dtype=torch.uint8, device=self.device) for size in plan.buffer_sizes]
+        self.buffers = [zeroed(size, self.device) for size in plan.buffer_sizes]
         self.views: dict[int, torch.Tensor] = {}
         for t in plan.tensors:
             for layer in t.layers:
@@ -78,3 +80,12 @@ class KVCacheMemory:
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers)
+
+
+def zeroed(size: int, device: torch.device) -> torch.Tensor:
+    """`size` zero bytes on `device`. On CPU an anonymous mapping, which the kernel fills with zeros page by page
+    as it is first touched: a pool costs resident memory for the blocks requests have used, not for its whole
+    budget up front (and starts without writing every byte). The tensor keeps the mapping alive."""
+    if device.type != "cpu" or size == 0:
+        return torch.zeros(size, dtype=torch.uint8, device=device)
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)

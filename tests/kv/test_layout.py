@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -123,3 +125,22 @@ def test_block_spans_match_the_views():
                 buf.zero_()
     packed = plan(gemma4_like(), 2 * P * 40, max_model_len=64, kv_layout="packed")
     assert [packed.block_spans(g.group_id, 7) for g in packed.groups] == [[(0, 7 * 2 * P, 2 * P)]] * 3
+
+
+def resident_mib() -> float:
+    status = Path("/proc/self/status").read_text()
+    return int(next(x for x in status.splitlines() if x.startswith("VmRSS")).split()[1]) / 1024
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "packed"])
+def test_a_cpu_pool_is_zero_and_costs_memory_only_where_blocks_are_used(layout):
+    """The pool's bytes read as zeros, but a 1 GiB budget is not made resident up front: the pages of the blocks
+    written are (`memory.zeroed`). A pool built with torch.zeros or by writing every byte fails the first bound."""
+    p = plan(model("FFSS"), 1 << 30, max_model_len=256, kv_layout=layout)
+    before = resident_mib()
+    mem = KVCacheMemory(p)
+    assert resident_mib() - before < 64, "the whole budget became resident at start"
+    view = mem.layer_view(0)
+    assert int(view[1 : p.num_blocks : max(1, p.num_blocks // 64)].count_nonzero()) == 0
+    view[:100].fill_(1.0)
+    assert resident_mib() - before < 64 + 100 * p.groups[0].pages[0] * len(p.groups[0].layers) / 2**20
