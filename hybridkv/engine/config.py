@@ -25,7 +25,7 @@ DEFAULT_MODEL_DIR = Path(__file__).parents[1] / "assets" / "default-model"
 class EngineConfig:
     model: str = str(DEFAULT_MODEL_DIR)  # the embedded model
     dtype: str = "float32"
-    device: str | None = None  # None: cuda when available, else cpu
+    device: str | None = None  # None: $HYBRIDKV_DEVICE, else cuda when available, else cpu (`device.py`)
     kv_layout: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"

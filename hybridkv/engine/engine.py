@@ -21,6 +21,7 @@ from hybridkv.engine import prompt_logprobs
 from hybridkv.engine.chunking import ExactChunks, FreeChunks, exact_unit
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
+from hybridkv.engine.device import resolve_device
 from hybridkv.engine.kv_sizing import plan_for
 from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
 from hybridkv.engine.stats import EngineStats, snapshot
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(config.device)
         hf = load_hf_config(config.model)
         self.plan = plan_for(config, self.device, hf)
         max_len = self.plan.max_model_len
