@@ -80,6 +80,13 @@ def plan_for(config: EngineConfig, device: torch.device, hf: dict) -> KVPlan:
     if config.gpu_memory_utilization is not None:
         memory, line = kv_budget(config.model, config.dtype, device, config.gpu_memory_utilization)
         logger.info("%s", line)
+    if device.type == "cpu" and memory > device_memory(device):
+        # The CPU pool becomes resident block by block (`kv/memory.zeroed`): a budget past the machine would
+        # start and fail only once requests filled it.
+        raise ValueError(
+            f"KV cache budget {format_bytes(memory)} exceeds this machine's {format_bytes(device_memory(device))} "
+            "of memory: lower --kv-cache-memory (or --gpu-memory-utilization)"
+        )
     cache = CacheConfig(
         memory_bytes=memory,
         max_model_len=config.max_model_len or min(limit or 8192, 8192),

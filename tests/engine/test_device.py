@@ -37,3 +37,13 @@ def test_cuda_without_a_gpu_says_so_before_loading_anything(monkeypatch):
         LLMEngine(EngineConfig())
     with pytest.raises(ValueError, match=r"^device 'cuda'"):
         resolve_device("cuda")
+
+
+def test_a_cpu_budget_past_the_machine_is_refused_at_start():
+    """The CPU pool is made resident lazily (`kv/memory.zeroed`), so a budget larger than the machine must be
+    refused by the config, not discovered when requests fill it."""
+    from hybridkv.engine.kv_sizing import device_memory
+
+    too_much = 2 * device_memory(torch.device("cpu"))
+    with pytest.raises(ValueError, match="exceeds this machine"):
+        LLMEngine(EngineConfig(device="cpu", kv_cache_memory=too_much))
