@@ -34,40 +34,6 @@ import torch
 HERE = Path(__file__).parent
 PROMPT, NEW, BATCH = 128, 64, 16
 
-# llama.cpp's converter wants a tokenizer; a random checkpoint has none: vocab 'none' of the config's size.
-CONVERT = """
-import sys
-from pathlib import Path
-llama = Path(sys.argv.pop(1))
-sys.path[:0] = [str(llama), str(llama / "gguf-py")]
-import convert_hf_to_gguf as conv
-from conversion.qwen import Qwen3_5TextModel
-def set_vocab(self):
-    self.gguf_writer.add_tokenizer_model("none")
-    self.gguf_writer.add_vocab_size(self.hparams["vocab_size"])
-Qwen3_5TextModel.set_vocab = set_vocab
-conv.main()
-"""
-
-
-def gguf(llama: Path, folder: Path) -> Path:
-    out = folder / "model-bf16.gguf"
-    if not out.exists():
-        args = [sys.executable, "-c", CONVERT, str(llama), str(folder), "--outtype", "bf16", "--no-mtp"]
-        subprocess.run([*args, "--outfile", str(out)], check=True, capture_output=True)
-    return out
-
-
-def read_bandwidth() -> float:
-    """Bytes per second one thread reads (a sum over 512 MiB of float32), best of three."""
-    x = torch.ones(128 << 20, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
-
 
 def matmul_peak() -> float:
     """FLOP/s of this process's best bf16 matmul: oneDNN, a 512-row input on a packed [8192, 1024] weight, best of
@@ -156,11 +122,13 @@ def main() -> None:
         raise SystemExit(f"no {bin_dir / 'llama-bench'}: run benchmarks/setup_llama_cpp.sh first")
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(HERE))
+    from bounds import read_bandwidth
     from hybrid_models import build
+    from llamacpp_engine import gguf
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = build((args.models or Path(tmp)) / "qwen3.5-0.8b", "0.8b")
-        model = gguf(args.llama_cpp, folder)
+        model = gguf(args.llama_cpp, folder, "bfloat16")
         ours = Ours(folder)
         weights = step_bytes(ours.llm.engine.model)
         bound = read_bandwidth() / weights  # single-stream decode tok/s at most

