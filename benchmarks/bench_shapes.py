@@ -207,7 +207,7 @@ def label_native_kernels() -> None:
                 setattr(self, name, labelled(name, getattr(module, name)))
 
     for owner, getter, names in ((packed_rows, "rows_kernel", ["linear_rows"]),
-                                 (fused, "fused_ops", ["act_and_mul", "rms_norm"])):  # fmt: skip
+                                 (fused, "fused_ops", ["act_and_mul", "rms_norm", "row_argmax"])):  # fmt: skip
         module = getattr(owner, getter)()
         if module is not None:
             setattr(owner, getter, const(Labelled(module, names)))
