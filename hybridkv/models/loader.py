@@ -12,8 +12,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
+
+from hybridkv.models.tensor_file import read_into, stored_tensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,26 +52,28 @@ def _names(kind: str, names: list[str], limit: int = 20) -> str:
 
 @torch.no_grad()
 def load_weights(model: nn.Module, folder: str | Path) -> None:
-    """Copy the checkpoint's tensors into `model` (cast to each parameter's dtype and device)."""
+    """Copy the checkpoint's tensors into `model` (cast to each parameter's dtype and device), each read straight
+    into its parameter (`tensor_file`): the weights are resident once, also while they load."""
     targets = model.state_dict(keep_vars=True)
     loaded: set[str] = set()
     unexpected: list[str] = []
     for path in checkpoint_files(folder):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
+        with path.open("rb", buffering=0) as f:
+            for stored in stored_tensors(f, path):
+                name = stored.name
                 ours = model.checkpoint_name(name)
                 if ours is None:
                     continue
                 if ours not in targets or ours in loaded:
                     unexpected.append(name)
                     continue
-                tensor, target = f.get_tensor(name), targets[ours]
-                if tensor.shape != target.shape:
+                target = targets[ours]
+                if stored.shape != tuple(target.shape):
                     raise ValueError(
-                        f"{name} in {path.name} has shape {list(tensor.shape)}; the model expects "
+                        f"{name} in {path.name} has shape {list(stored.shape)}; the model expects "
                         f"{list(target.shape)} for {ours}"
                     )
-                target.copy_(tensor)
+                read_into(f, stored, target)
                 loaded.add(ours)
     missing = sorted(set(targets) - loaded)
     if missing or unexpected:
