@@ -59,11 +59,38 @@ void pack_head(PackedHead& out, const uint16_t* cache, const int64_t* table, int
   }
 }
 
+// o [RB][d] columns [c0 * 16, (c0 + TV) * 16) = o * corr + p16 . V over one key block; TV 0: the head's last
+// d / 16 - c0 < 4 vectors, counted at run time.
+template <int64_t RB, int64_t TV>
+inline void value_tile(const uint16_t (*p16)[kKeys], const float* corr, const uint16_t* vp, int64_t d, int64_t c0,
+                       float* o) {
+  const int64_t tv = TV > 0 ? TV : std::min<int64_t>(4, d / 16 - c0);
+  __m512 acc[RB][4];
+  for (int64_t r = 0; r < RB; ++r)
+    for (int64_t c = 0; c < tv; ++c)
+      acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * d + (c0 + c) * 16), _mm512_set1_ps(corr[r]));
+  for (int64_t j = 0; j < kKeys / 2; ++j) {
+    __m512bh vv[4];
+    for (int64_t c = 0; c < tv; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + (j * d + (c0 + c) * 16) * 2);
+    for (int64_t r = 0; r < RB; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, p16[r] + 2 * j, 4);
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int64_t c = 0; c < tv; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
+    }
+  }
+  for (int64_t r = 0; r < RB; ++r)
+    for (int64_t c = 0; c < tv; ++c) _mm512_storeu_ps(o + r * d + (c0 + c) * 16, acc[r][c]);
+}
+
 // Rows [r0, r0 + rb) of a tile (row = query x head) against key block `blk` (absolute index kb).
 // o [rows][d] float32, m / l [rows]: running output (unnormalised), max and sum.
-inline void block_rows(const uint16_t* const* qrow, const int64_t* pos, const int64_t* lo, int64_t rb,
-                       const PackedHead& ph, int64_t blk, int64_t kb, int64_t d, float scale, float* o, float* m,
-                       float* l) {
+// RB: the rows, a compile-time count so that the score and output registers stay registers (indexed by a
+// runtime count they live on the stack).
+template <int64_t RB>
+inline void block_rows(const uint16_t* const* qrow, const int64_t* pos, const int64_t* lo, const PackedHead& ph,
+                       int64_t blk, int64_t kb, int64_t d, float scale, float* o, float* m, float* l) {
+  constexpr int64_t rb = RB;
   const uint32_t* kp = ph.k32.data() + blk * kKeys * d / 2;
   const uint16_t* vp = ph.v16.data() + blk * kKeys * d;
   __m512 s[kRows][4];
@@ -111,24 +138,20 @@ inline void block_rows(const uint16_t* const* qrow, const int64_t* pos, const in
     _mm512_storeu_si512(p16[r] + 32, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
   }
   for (int64_t c0 = 0; c0 < d / 16; c0 += 4) {
-    const int64_t tv = std::min<int64_t>(4, d / 16 - c0);
-    __m512 acc[kRows][4];
-    for (int64_t r = 0; r < rb; ++r)
-      for (int64_t c = 0; c < tv; ++c)
-        acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * d + (c0 + c) * 16), _mm512_set1_ps(corr[r]));
-    for (int64_t j = 0; j < kKeys / 2; ++j) {
-      __m512bh vv[4];
-      for (int64_t c = 0; c < tv; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + (j * d + (c0 + c) * 16) * 2);
-      for (int64_t r = 0; r < rb; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, p16[r] + 2 * j, 4);
-        const __m512bh pb = (__m512bh)_mm512_set1_epi32(pair);
-        for (int64_t c = 0; c < tv; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
-      }
-    }
-    for (int64_t r = 0; r < rb; ++r)
-      for (int64_t c = 0; c < tv; ++c) _mm512_storeu_ps(o + r * d + (c0 + c) * 16, acc[r][c]);
+    if (d / 16 - c0 >= 4)
+      value_tile<RB, 4>(p16, corr, vp, d, c0, o);
+    else
+      value_tile<RB, 0>(p16, corr, vp, d, c0, o);
   }
+}
+
+using RowsKernel = void (*)(const uint16_t* const*, const int64_t*, const int64_t*, const PackedHead&, int64_t,
+                           int64_t, int64_t, float, float*, float*, float*);
+
+RowsKernel rows_kernel(int64_t rb) {
+  static_assert(kRows == 4, "one instance per row count up to kRows");
+  constexpr RowsKernel kernels[] = {block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>};
+  return kernels[rb - 1];
 }
 
 }  // namespace
@@ -206,8 +229,9 @@ torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, 
       const PackedHead& ph = packed[r * hk + h];
       for (int64_t kb = lo[0] / kKeys; kb <= pos[rows - 1] / kKeys; ++kb)
         for (int64_t i0 = 0; i0 < rows; i0 += kRows)
-          block_rows(qrow.data() + i0, pos.data() + i0, lo.data() + i0, std::min(kRows, rows - i0), ph, kb - kb0[r],
-                     kb, d, static_cast<float>(scale), o.data() + i0 * d, m.data() + i0, l.data() + i0);
+          rows_kernel(std::min(kRows, rows - i0))(qrow.data() + i0, pos.data() + i0, lo.data() + i0, ph,
+                                                  kb - kb0[r], kb, d, static_cast<float>(scale), o.data() + i0 * d,
+                                                  m.data() + i0, l.data() + i0);
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = off[r] + t0 + i / groups, head = h * groups + i % groups;
         const float inv = 1.f / (l[i] + (sink_p ? std::exp(sink_p[head] - m[i]) : 0.f));
