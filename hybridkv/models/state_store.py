@@ -25,7 +25,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., n] float32 -> (int8 codes [..., n], float32 scales [...])."""
     x = x.to(torch.float32)
     top = x.abs().amax(-1)
-    inv = LEVELS / top  # one division per row
+    # One true division per row, as the state-step kernel does (127.f / top): torch's `127.0 / top` is
+    # reciprocal(top) * 127, an ulp off in a quarter of rows, which flips a code wherever x * inv nears a half.
+    inv = torch.full_like(top, LEVELS) / top
     finite = torch.isfinite(inv)
     up = torch.where(finite, inv, torch.zeros_like(inv))
     codes = torch.round(x * up[..., None]).clamp(-LEVELS, LEVELS)
