@@ -22,6 +22,7 @@ SUITES = [  # every bit-for-bit test: engine modes, PD through the proxy (server
     "tests/models/test_split_sum.py",
     "tests/engine/test_exact_hybrid.py",
     "tests/engine/test_exact_attention.py",
+    "tests/engine/test_int8_state.py",
     "tests/pd/test_pd_hybrid.py",
     "tests/pd/test_pd_exact_attention.py",
     "tests/offload/test_offload_hybrid.py",

@@ -22,24 +22,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridkv.runner.attention_masks import Tile, run_tiles
 from hybridkv.runner.flash import attend, attend_with_lse, prefix_and_causal, with_sinks
 from hybridkv.runner.step_index import DECODE, PADDED, TILED, IndexPack, Run, StepIndex
 
 DecodeKernel = Callable[..., torch.Tensor]
-
-MIN_SLIDING_TILE = 64  # smaller tiles would cost more in kernel calls than they save in masked-out keys
-
-
-@dataclass
-class Tile:
-    """Queries [q0, q1) of a run attend to its gathered keys [k0, k1) (token offsets from the run's first
-    gathered block) under `mask` [B, 1, queries, k1 - k0], additive: 0 where visible, -inf elsewhere."""
-
-    q0: int
-    q1: int
-    k0: int
-    k1: int
-    mask: torch.Tensor
 
 
 @dataclass
@@ -114,57 +101,14 @@ class GroupMetadata:
             key = (i, block_size, window, span, *first[run.r0 : run.r1])
             tiles = None if masks is None else masks.get(key)
             if tiles is None:
-                tiles = _tiles(step, run, [f * block_size for f in first[run.r0 : run.r1]], span * block_size, window)
-                tiles = [Tile(t.q0, t.q1, t.k0, t.k1, t.mask.to(device)) for t in tiles]
+                bases = [f * block_size for f in first[run.r0 : run.r1]]
+                tiles = [t.to(device) for t in run_tiles(step, run, bases, span * block_size, window)]
                 if masks is not None:
                     masks[key] = tiles
             runs.append(RunKV(step.pack.add(gathered), span, tiles))
         block_ids = [tables[r][p // block_size] for r, p in zip(step.rows, step.positions)]
         offsets = [p % block_size for p in step.positions]
         return GroupMetadata(step.pack, step.pack.add(block_ids), step.pack.add(offsets), runs, window)
-
-
-def _tiles(step: StepIndex, run: Run, bases: list[int], width: int, window: int | None) -> list[Tile]:
-    """A run's tiles. `bases[b]`: position of request b's first gathered key; `width`: keys gathered per request.
-    Query i of request b (position q) sees key j when lo <= j <= hi, hi = q - base, lo = hi - window + 1 (0 for
-    full attention). A padded query slot sees key 0 only, so softmax stays finite (its output is dropped)."""
-    starts, lengths = step.starts[run.r0 : run.r1], step.lengths[run.r0 : run.r1]
-    if run.kind != TILED:
-        hi: list[int] = []
-        for start, n, base in zip(starts, lengths, bases):
-            hi += range(start - base, start - base + n)
-            hi += [0] * (run.max_q - n)
-        lo = [0] * len(hi) if window is None else _window_starts(hi, lengths, run.max_q, window)
-        return [Tile(0, run.max_q, 0, width, _band(hi, lo, (run.num_reqs, run.max_q), 0, width))]
-    (start,), (n,), (base,) = starts, lengths, bases
-    # A sliding tile of t queries reads t + window - 1 keys: tiles near the window's size waste little.
-    size = step.tile if window is None else min(step.tile, max(window, MIN_SLIDING_TILE))
-    tiles = []
-    for q0 in range(0, n, size):
-        q1 = min(n, q0 + size)
-        hi = list(range(start + q0 - base, start + q1 - base))
-        lo = [0] * len(hi) if window is None else [max(0, h - window + 1) for h in hi]
-        k0, k1 = lo[0], hi[-1] + 1
-        tiles.append(Tile(q0, q1, k0, k1, _band(hi, lo, (1, q1 - q0), k0, k1 - k0)))
-    return tiles
-
-
-def _window_starts(hi: list[int], lengths: list[int], max_q: int, window: int) -> list[int]:
-    """lo per slot of a padded [B, max_q] grid: hi - window + 1 for real queries, 0 for padding."""
-    return [h - window + 1 if i % max_q < lengths[i // max_q] else 0 for i, h in enumerate(hi)]
-
-
-def _band(hi: list[int], lo: list[int], shape: tuple[int, int], k0: int, width: int) -> torch.Tensor:
-    """[B, 1, Lq, width] additive mask: key k0 + j visible to query slot (b, i) iff lo <= k0 + j <= hi. Keys
-    [max(lo), min(hi)] are visible to every slot (a full-attention tile's whole prefix) and are left at 0:
-    only the columns around them are compared."""
-    mask = torch.zeros(shape[0], 1, shape[1], width)
-    bounds = torch.tensor([hi, lo]).view(2, shape[0], 1, shape[1], 1) - k0
-    shared = (max(max(lo) - k0, 0), min(min(hi) - k0 + 1, width))
-    for a, b in ((0, shared[0]), (shared[1], width)) if shared[0] < shared[1] else ((0, width),):
-        k = torch.arange(a, b)
-        mask[..., a:b].masked_fill_((k > bounds[0]) | (k < bounds[1]), float("-inf"))
-    return mask
 
 
 class Workspace:
@@ -273,6 +217,9 @@ class PagedAttention:
             kv = torch.index_select(cache, 0, tables, out=out)
         else:
             kv = torch.index_select(cache, 0, tables)
+        hidden = r.tiles[0].hidden if run.kind != TILED else None
+        if hidden is not None and hidden.numel():  # slots no query sees may hold another group's bytes (NaN)
+            kv.view(b * nb * bs, -1).index_fill_(0, hidden, 0)
         keys, values = kv.view(b, nb * bs, 2, hk, d).permute(2, 0, 3, 1, 4).unbind(0)
         return keys, values
 

@@ -12,7 +12,8 @@ from hybridkv.kv.plan import KVPlan
 from hybridkv.models.base import CausalLM, OutputRows
 from hybridkv.request.batch import ScheduledChunk, SchedulerOutput
 from hybridkv.runner import kernels
-from hybridkv.runner.attention import GroupMetadata, PagedAttention, Tile, Workspace
+from hybridkv.runner.attention import GroupMetadata, PagedAttention, Workspace
+from hybridkv.runner.attention_masks import Tile
 from hybridkv.runner.states import PagedStates, check_state_shapes, steps_in_place
 from hybridkv.runner.step_index import QUERY_TILE, IndexPack, StepIndex, run_kind
 

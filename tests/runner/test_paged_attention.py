@@ -27,25 +27,30 @@ def dense(q, keys, values, positions, window, scale, sinks=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1)[..., : keys.shape[0]], v)
 
 
+@pytest.mark.parametrize("stale", [False, True], ids=["", "nan-pool"])
 @pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["torch", "native-decode+split"])
 @pytest.mark.parametrize("seed", range(12))
-def test_matches_dense_attention(seed, in_place, sinks):
+def test_matches_dense_attention(seed, in_place, sinks, stale):
+    """`stale`: every slot starts NaN (another group's bytes: one pool holds attention and state pages) and the
+    requests start empty, so only the slots they write are finite: keys no query sees must not reach the output."""
     kernel = kernels.paged_decode() if in_place else None
     assert kernel is not None or not in_place, "the native decode kernel did not build (see the log)"
     rng = random.Random(seed)
     hk, d = rng.choice([1, 2]), 8
     hq = hk * rng.choice([1, 3])
     groups = [(rng.choice([1, 4, 16]), rng.choice([None, 1, 5, 17, 70])) for _ in range(2)]  # (block size, window)
-    views = {g: torch.randn(4000 // bs, bs, 2, hk, d) for g, (bs, _) in enumerate(groups)}
+    fill = (lambda *shape: torch.full(shape, float("nan"))) if stale else torch.randn
+    views = {g: fill(4000 // bs, bs, 2, hk, d) for g, (bs, _) in enumerate(groups)}
     views[2] = views[0]  # layer 2 reads layer 0's KV
     layer_group = {0: 0, 1: 1, 2: 0}
     free = [rng.sample(range(1, 4000 // bs), 4000 // bs - 1) for bs, _ in groups]
-    reqs = [{"pos": rng.choice([0, rng.randint(1, 120)]), "tables": [[], []]} for _ in range(rng.randint(2, 5))]
+    first = [0] if stale else [0, rng.randint(1, 120)]
+    reqs = [{"pos": rng.choice(first), "tables": [[], []]} for _ in range(rng.randint(2, 5))]
     workspace = Workspace()
     for _ in range(3):  # steps: the same requests advance, in a shuffled order
-        starts, lengths = [], []
-        for req in rng.sample(reqs, len(reqs)):
+        starts, lengths, order = [], [], rng.sample(reqs, len(reqs))
+        for req in order:
             n = rng.choice([1, 1, 2, rng.randint(3, 40), rng.randint(41, 300)])
             for g, (bs, _) in enumerate(groups):
                 while len(req["tables"][g]) * bs < req["pos"] + n:
@@ -53,7 +58,6 @@ def test_matches_dense_attention(seed, in_place, sinks):
             starts.append(req["pos"])
             lengths.append(n)
             req["pos"] += n
-        order = [next(r for r in reqs if r["pos"] == s + n) for s, n in zip(starts, lengths)]
         step = StepIndex(starts, lengths, IndexPack(), tile=rng.choice([3, 16, 256]))
         masks: dict = {}
         meta = [
