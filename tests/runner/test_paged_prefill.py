@@ -92,6 +92,24 @@ def test_matches_dense_reference(prefill, window, packed):
         assert (got.double() - want).abs().max() < TOL
 
 
+@pytest.mark.parametrize("window", [0, 37])
+def test_keys_no_query_sees_never_reach_the_output(prefill, window):
+    """In the engine a table's slots past a chunk's last query, and before its first query's window, may hold
+    another group's bytes (one pool serves attention and state pages): NaN there changes no bit."""
+    poisoned = 0
+    for start, n in SPANS:
+        cache, (table,), (base,), qs = requests(7, [(start, n)], window=window)
+        clean = call(prefill, cache, table[None], [base], [(start, n)], qs, window)[0]
+        bs = cache.shape[1]
+        pos = torch.arange(base, base + table.numel() * bs)
+        lo = max(base, start - window + 1) if window else base
+        unseen = pos[(pos < lo) | (pos >= start + n)] - base
+        cache[table[unseen // bs], unseen % bs] = float("nan")
+        poisoned += unseen.numel()
+        assert torch.equal(call(prefill, cache, table[None], [base], [(start, n)], qs, window)[0], clean)
+    assert poisoned > 0
+
+
 @pytest.mark.parametrize(("hk", "groups", "d"), [(1, 8, 256), (4, 1, 32), (2, 5, 96), (1, 4, 512)])
 def test_head_shapes(prefill, hk, groups, d):
     """Multi-query (8 query heads on one KV head), no GQA, odd group counts (register blocks of 4 rows with a
