@@ -18,6 +18,7 @@ from torch import nn
 
 from hybridkv.models import exact
 from hybridkv.models.fuse import FusedLinear, pack_weight, packed_linear, release
+from hybridkv.models.widened import widen_weight, widening_wanted
 from hybridkv.native import native_enabled
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
@@ -31,10 +32,20 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
         and dtype in PACKED_DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        # oneDNN packs bfloat16 only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; an AVX2 CPU (or a cap at it) keeps
-        # plain torch for bfloat16 instead of failing at load
+        # oneDNN packs bfloat16 only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; an AVX2 CPU (or a cap at it) widens
+        # bfloat16 weights instead (`widened.py`)
         and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
+
+
+def weight_packer(device: torch.device, dtype: torch.dtype) -> Packer | None:
+    """How a model's projections run on this device: oneDNN's packed layout where oneDNN packs the dtype, bfloat16
+    weights widened to float32 where it cannot (AVX2 CPUs), else None (plain torch)."""
+    if packing_available(device, dtype):
+        return pack_weight
+    if native_enabled() and widening_wanted(device, dtype):
+        return widen_weight
+    return None
 
 
 class Linear(nn.Linear):

@@ -13,7 +13,7 @@ from hybridkv.kv.model_kv import load_hf_config
 from hybridkv.models.base import CausalLM, bind_attributes
 from hybridkv.models.batch_invariant import make_batch_invariant
 from hybridkv.models.fused import use_fused_ops
-from hybridkv.models.linear import pack_linears, packing_available
+from hybridkv.models.linear import pack_linears, weight_packer
 from hybridkv.models.loader import load_weights, resolve_dtype
 
 MODELS: dict[str, str] = {  # model_type -> "module:class", imported when first asked for
@@ -68,8 +68,10 @@ def load_model(
     model.fuse_projections()
     if batch_invariant and model.batch_invariant:
         make_batch_invariant(model)
-    elif resolve_dtype(dtype) in model.packed_dtypes and packing_available(torch.device(device), resolve_dtype(dtype)):
-        pack_linears(model)
+    elif resolve_dtype(dtype) in model.packed_dtypes and (
+        packer := weight_packer(torch.device(device), resolve_dtype(dtype))
+    ):
+        pack_linears(model, packer)
         use_fused_ops(model)
     bind_attributes(model)
     return model

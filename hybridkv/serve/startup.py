@@ -19,6 +19,7 @@ from hybridkv.kv.model_kv import load_hf_config
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.loader import resolve_dtype
 from hybridkv.models.packed_rows import PackedWeight
+from hybridkv.models.widened import ROWS_LIMIT, WidenedWeight
 from hybridkv.native import KERNELS_ENV, native_enabled
 from hybridkv.runner.states import steps_in_place
 from hybridkv.units import format_bytes
@@ -138,6 +139,7 @@ def kernel_lines(engine: LLMEngine) -> list[str]:
     lines = [f"attention kernels: decode {decode}, prefill {prefill}{exact}", *states]
     readers = linear_readers(model)
     packed = [r for r in readers if isinstance(r, PackedWeight)]
+    widened = [r for r in readers if isinstance(r, WidenedWeight)]
     if invariant:
         lines.append(
             f"linears: batch-invariant, {_n(len(readers), 'projection')} and the norms and activations in exact "
@@ -152,6 +154,12 @@ def kernel_lines(engine: LLMEngine) -> list[str]:
         )
         fused = ", ".join(f"{name} in {_n(n, 'module')}" for name, n in fused_ops_used(model).items())
         lines.append(f"linears: {len(packed)} packed for oneDNN, {rows}; fused ops: {fused or 'none'}")
+    elif widened:
+        fused = ", ".join(f"{name} in {_n(n, 'module')}" for name, n in fused_ops_used(model).items())
+        lines.append(
+            f"linears: {_n(len(widened), 'bfloat16 weight')} widened to float32 (oneDNN has no bfloat16 path on "
+            f"this CPU): up to {ROWS_LIMIT} rows widened_rows, more float32 MKL; fused ops: {fused or 'none'}"
+        )
     elif engine.plan.state is not None and not bf16:
         lines.append("linears: exact sums (a row's bits do not depend on the rows beside it)")
     else:

@@ -114,6 +114,7 @@ void split_task(const T* q, const T* cache, const int64_t* table, int64_t base, 
   }
 }
 
+#include "paged_decode_avx2.h"
 #include "paged_decode_avx512.h"
 
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
@@ -161,6 +162,9 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& cache, c
 #if defined(__AVX512F__)
         if constexpr (!std::is_same_v<scalar_t, double>)
           if (d % 16 == 0) task = split_task_avx512<scalar_t>;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+        if constexpr (!std::is_same_v<scalar_t, double>)
+          if (d % 8 == 0) task = split_task_avx2<scalar_t>;
 #endif
         task(qp + r * hq * d, cp, tab + r * span, base[r], t0, t1, acc.data() + s * hq * d, m.data() + s * hq,
              l.data() + s * hq, hq, groups, d, bs, cache.stride(0), cache.stride(1), cache.stride(2),
