@@ -58,12 +58,13 @@ def test_matches_dense_reference(decode, window, packed):
 
 @pytest.mark.parametrize(
     ("groups", "d"),
-    [(8, 48), (5, 256), (1, 16), (2, 24)],
-    ids=["two-head-blocks-short-tile", "head-block-tail-two-tiles", "one-query-head", "generic-path-d24"],
+    [(8, 48), (5, 256), (1, 16), (2, 24), (3, 20)],
+    ids=["two-head-blocks-short-tile", "head-block-tail-two-tiles", "one-query-head", "d24", "generic-path-d20"],
 )
 def test_head_shapes(decode, groups, d):
-    """The vector path's head blocks (4 query heads) and value tiles (64 lanes) with their tails, and the generic
-    path for a head size that is not a multiple of 16."""
+    """The vector paths' head pairs and value tiles with their tails; a head size of 24 takes the AVX2 path on
+    CPUs without AVX-512 and the generic one on AVX-512 CPUs (not a multiple of 16); 20 takes the generic path
+    everywhere."""
     q, cache, tables, bases, positions, window = case(groups * d, groups=groups, d=d)
     got = decode(q, cache, tables, bases, positions, window, 0.3, None)
     assert (got.double() - reference(q, cache, tables, bases, positions, window, 0.3)).abs().max() < 1e-5
