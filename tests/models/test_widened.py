@@ -58,11 +58,13 @@ def test_reads_a_weight_whose_rows_are_strided():
 
 
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads():
-    x, w, b = operands(130, 1000, 16, 5, True)
+    """One or two rows widen the weight in registers, more through a scratch: the same sums either way."""
+    x, w, b = operands(130, 1029, 16, 5, True)
     ops, threads = widened_kernel(), torch.get_num_threads()
     together = ops.widened_rows(x, w, b)
     for i in range(x.shape[0]):
         assert torch.equal(ops.widened_rows(x[i : i + 1], w, b)[0], together[i])
+        assert torch.equal(ops.widened_rows(x[i : i + 2], w, b)[0], together[i])
     try:
         torch.set_num_threads(1 if threads > 1 else 2)
         assert torch.equal(ops.widened_rows(x, w, b), together)

@@ -26,7 +26,8 @@ namespace {
 
 constexpr bool kSupported = true;
 constexpr int64_t kN = 4;      // outputs per task block
-constexpr int64_t kGroup = 3;  // rows per register block: 3 x 4 accumulators
+constexpr int64_t kGroup = 2;  // rows per register block: 2 x 4 accumulators, 4 weight vectors, 1 of x
+constexpr int64_t kDirectRows = 2;  // up to this many rows the weight is widened in registers, not in a scratch
 
 inline void widen(const c10::BFloat16* src, float* dst, int64_t k, int64_t kp) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
@@ -45,18 +46,37 @@ inline __m128 sum4(const __m256* a) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// sums[r][j] = x[r] . w[j] over kp (a multiple of 8) for R rows of x (stride ldx) and the block's kN rows of w.
-template <int R>
-inline void block(const float* w, const float* x, int64_t ldx, int64_t kp, float* sums) {
+// sums[r][j] = x[r] . w[j] over kp (a multiple of 8) for R rows of x (stride ldx) and J <= kN rows of w, the
+// weight either widened already (float32 scratch, stride kp) or read as bfloat16 and widened here (stride ldw,
+// the tail past k taken from `tail`, each row's last 8 values zero padded). Both give the same arithmetic: lane i
+// of (r, j) sums x[r, k] w[j, k] over k = 8s + i in order of s, then `sum4`'s tree.
+template <int R, int J, bool kWide>
+inline void block(const void* w, int64_t ldw, const float* tail, const float* x, int64_t ldx, int64_t kp,
+                  float* sums) {
   __m256 acc[R][kN];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kN; ++j) acc[r][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kp; k += 8) {
-    __m256 wv[kN];
-    for (int j = 0; j < kN; ++j) wv[j] = _mm256_loadu_ps(w + j * kp + k);
+  const int64_t body = kWide ? kp : kp - 8;  // bf16 rows: the last step comes from `tail`
+  for (int64_t k = 0; k < body; k += 8) {
+    __m256 wv[J];
+    for (int j = 0; j < J; ++j) {
+      if constexpr (kWide) {
+        wv[j] = _mm256_loadu_ps(static_cast<const float*>(w) + j * ldw + k);
+      } else {
+        const auto* bits = static_cast<const uint16_t*>(w) + j * ldw + k;
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits)));
+        wv[j] = _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+      }
+    }
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
-      for (int j = 0; j < kN; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+      for (int j = 0; j < J; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  if constexpr (!kWide) {
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * ldx + kp - 8);
+      for (int j = 0; j < J; ++j) acc[r][j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(tail + j * 8), acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r) _mm_storeu_ps(sums + r * kN, sum4(acc[r]));
@@ -82,24 +102,30 @@ torch::Tensor widened_rows(const torch::Tensor& x, const torch::Tensor& w, const
   const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
   const int64_t blocks = (n + kN - 1) / kN;
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> wf(kN * kp), sums(kGroup * kN);
+    std::vector<float> wf(kN * kp), tail(kN * 8), sums(kGroup * kN);
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * kN, nn = std::min(kN, n - n0);
+      const c10::BFloat16* wb = wp + n0 * ldw;
+      const bool direct = m <= kDirectRows && nn == kN;  // few rows: widen in registers as the weight streams by
       for (int64_t j = 0; j < kN; ++j) {
-        if (j < nn)
-          widen(wp + (n0 + j) * ldw, wf.data() + j * kp, k, kp);
+        if (direct)
+          widen(wb + j * ldw + kp - 8, tail.data() + j * 8, k - (kp - 8), 8);
+        else if (j < nn)
+          widen(wb + j * ldw, wf.data() + j * kp, k, kp);
         else
           std::fill(wf.begin() + j * kp, wf.begin() + (j + 1) * kp, 0.f);
       }
       for (int64_t r0 = 0; r0 < m; r0 += kGroup) {
         const int64_t rows = std::min(kGroup, m - r0);
         const float* xr = xf.data() + r0 * kp;
-        if (rows == 3)
-          block<3>(wf.data(), xr, kp, kp, sums.data());
+        if (direct && rows == 2)
+          block<2, kN, false>(wb, ldw, tail.data(), xr, kp, kp, sums.data());
+        else if (direct)
+          block<1, kN, false>(wb, ldw, tail.data(), xr, kp, kp, sums.data());
         else if (rows == 2)
-          block<2>(wf.data(), xr, kp, kp, sums.data());
+          block<2, kN, true>(wf.data(), kp, nullptr, xr, kp, kp, sums.data());
         else
-          block<1>(wf.data(), xr, kp, kp, sums.data());
+          block<1, kN, true>(wf.data(), kp, nullptr, xr, kp, kp, sums.data());
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t j = 0; j < nn; ++j) {
             const float s = sums[r * kN + j] + (bp ? static_cast<float>(bp[n0 + j]) : 0.f);
