@@ -105,7 +105,9 @@ def test_grammar_floods_never_delay_an_unconstrained_request(server):
     for big, r, seconds in siege(server, lambda: at_once(12, send)):
         if big:
             assert r.status_code == 400 and "at most 1024" in r.text, r.text[:300]
-            assert seconds < 1.0, seconds
+            # six 0.5 MB bodies parsed at once beside six compiles on a 2-core host: 0.4-1.2 s measured (the
+            # slow end with the host's cores taken by other jobs); a compile of 60k choices would take minutes
+            assert seconds < 2.0, seconds
         else:
             assert r.status_code == 200, r.text[:300]
     repeat = {"prompt": "pick", "max_tokens": 4, "structured_outputs": {"choice": choices(60_000, "t0-")}}
