@@ -106,7 +106,7 @@ def test_grammar_floods_never_delay_an_unconstrained_request(server):
         if big:
             assert r.status_code == 400 and "at most 1024" in r.text, r.text[:300]
             # six 0.5 MB bodies parsed at once beside six compiles on a 2-core host: 0.4-1.2 s measured (the
-            # slow end with the host's cores taken by other jobs); a compile of 60k choices would take minutes
+            # slow end with the host's cores taken by other jobs); the cap refuses before any compile is queued
             assert seconds < 2.0, seconds
         else:
             assert r.status_code == 200, r.text[:300]
