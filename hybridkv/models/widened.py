@@ -15,6 +15,7 @@ Either way the sums are float32 and the result rounds once to bfloat16. bfloat16
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from pathlib import Path
 
@@ -80,3 +81,20 @@ def widened_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def widen_weight(weight: torch.Tensor) -> WidenedWeight:
     return WidenedWeight(weight)
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD = 4 << 20
+
+
+def return_large_blocks() -> bool:
+    """Have glibc map every allocation of MMAP_THRESHOLD or more and unmap it when freed. By default it raises
+    that threshold up to 32 MiB as blocks are freed and then serves such blocks from its heap, which it keeps:
+    after a 4k prefill of Qwen3-0.6B's shape (float32 temporaries of up to 64 MiB per projection) the process
+    held 736 MiB it no longer used (AMD EPYC Zen 3: RSS 2380 MiB, 1644 after malloc_trim; peak 2507). With the
+    threshold fixed: RSS 1653 after, peak 2248. False where the C library has no mallopt (not glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False

@@ -128,7 +128,10 @@ def test_a_bfloat16_model_runs_its_projections_widened(tmp_path, monkeypatch):
     monkeypatch.delenv("HYBRIDKV_KERNELS", raising=False)
     folder = build("qwen3", tmp_path / "m", head_dim=32, hidden_size=128, intermediate_size=256)
     batch = [[5, 9, 200, 17, 3, 88] * 4, [11, 12, 13]]
+    returned: list[bool] = []
+    monkeypatch.setattr(registry, "return_large_blocks", lambda: returned.append(True))
     llm = bf16_engine(monkeypatch, folder, widened.widen_weight)
+    assert returned == [True], "a widened model has glibc unmap its large float32 temporaries"
     readers = linear_readers(llm.engine.model)
     assert readers and all(isinstance(r, WidenedWeight) for r in readers)
     assert any(r.out_features == llm.engine.model.embed_tokens.num_embeddings for r in readers), "the tied head"
@@ -139,3 +142,19 @@ def test_a_bfloat16_model_runs_its_projections_widened(tmp_path, monkeypatch):
     for g, w in zip(got, want, strict=True):
         span = float(w[0].amax() - w[0].amin())
         assert float((g[:2] - w[:2]).abs().max()) <= 0.03 * span
+
+
+def test_large_blocks_go_back_to_the_os_after_the_threshold_is_fixed():
+    """glibc's own rule would serve the second block below from its heap (a freed 24 MiB mapping raises its
+    threshold past 16 MiB) and keep it; with the threshold fixed both are unmapped when freed."""
+    assert widened.return_large_blocks(), "glibc's mallopt refused (or this is not glibc)"
+
+    def rss() -> int:
+        return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) << 10
+
+    before = rss()
+    for mib in (24, 16):
+        block = torch.ones(mib << 18)  # every page written
+        assert rss() - before > (mib - 4) << 20
+        del block
+    assert rss() - before < 8 << 20

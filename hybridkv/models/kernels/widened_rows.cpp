@@ -52,12 +52,14 @@ inline __m128 sum4(const __m256* a) {
 // of (r, j) sums x[r, k] w[j, k] over k = 8s + i in order of s, then `sum4`'s tree.
 template <int R, int J, bool kWide>
 inline void block(const void* w, int64_t ldw, const float* tail, const float* x, int64_t ldx, int64_t kp,
-                  float* sums) {
+                  float* sums, const char* next = nullptr) {
   __m256 acc[R][kN];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kN; ++j) acc[r][j] = _mm256_setzero_ps();
   const int64_t body = kWide ? kp : kp - 8;  // bf16 rows: the last step comes from `tail`
   for (int64_t k = 0; k < body; k += 8) {
+    if (next != nullptr && k % 32 == 0)  // the next block's rows, a line each, one block ahead of the stream
+      for (int j = 0; j < J; ++j) _mm_prefetch(next + 2 * (j * ldw + k), _MM_HINT_T0);
     __m256 wv[J];
     for (int j = 0; j < J; ++j) {
       if constexpr (kWide) {
@@ -107,6 +109,7 @@ torch::Tensor widened_rows(const torch::Tensor& x, const torch::Tensor& w, const
       const int64_t n0 = blk * kN, nn = std::min(kN, n - n0);
       const c10::BFloat16* wb = wp + n0 * ldw;
       const bool direct = m <= kDirectRows && nn == kN;  // few rows: widen in registers as the weight streams by
+      const char* ahead = blk + 1 < end && n0 + 2 * kN <= n ? reinterpret_cast<const char*>(wb + kN * ldw) : nullptr;
       for (int64_t j = 0; j < kN; ++j) {
         if (direct)
           widen(wb + j * ldw + kp - 8, tail.data() + j * 8, k - (kp - 8), 8);
@@ -119,9 +122,9 @@ torch::Tensor widened_rows(const torch::Tensor& x, const torch::Tensor& w, const
         const int64_t rows = std::min(kGroup, m - r0);
         const float* xr = xf.data() + r0 * kp;
         if (direct && rows == 2)
-          block<2, kN, false>(wb, ldw, tail.data(), xr, kp, kp, sums.data());
+          block<2, kN, false>(wb, ldw, tail.data(), xr, kp, kp, sums.data(), ahead);
         else if (direct)
-          block<1, kN, false>(wb, ldw, tail.data(), xr, kp, kp, sums.data());
+          block<1, kN, false>(wb, ldw, tail.data(), xr, kp, kp, sums.data(), ahead);
         else if (rows == 2)
           block<2, kN, true>(wf.data(), kp, nullptr, xr, kp, kp, sums.data());
         else
