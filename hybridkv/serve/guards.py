@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -155,24 +156,30 @@ async def off_loop(request: Request, work: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(request.app.state.body_pool, work, *args)
 
 
+# Where a lone surrogate can come from: a \\uD800-\\uDFFF escape, or its UTF-8-style bytes (json.loads decodes bytes
+# with "surrogatepass"). A body with neither holds none, and its strings need no walk.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
 def parse_json(raw: bytes) -> Any:
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a huge integer, nesting past the stack
         raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from e
+    strings = _MAYBE_SURROGATE.search(raw) is not None
     stack = [(data, 1)]
-    while stack:  # every value once: depth and strings (keys included)
+    while stack:  # every container once (and, when a surrogate may hide in one, every string: keys included)
         value, depth = stack.pop()
         if isinstance(value, str):
             _check_text(value)
         elif isinstance(value, (list, dict)):
             if depth > MAX_JSON_DEPTH:
                 raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
-            items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
-            for k, v in items:
-                if k is not None:
+            values = value.values() if isinstance(value, dict) else value
+            if strings and isinstance(value, dict):
+                for k in value:
                     _check_text(k)
-                stack.append((v, depth + 1))
+            stack.extend((v, depth + 1) for v in values if strings or isinstance(v, (list, dict)))
     return data
 
 

@@ -5,6 +5,7 @@ before the tokenizer sees it; the engine thread copying a compiled constraint, n
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -159,3 +160,18 @@ def test_a_prompt_over_the_character_bound_never_reaches_the_tokenizer(monkeypat
     with pytest.raises(ValueError, match="tokens; max_model_len is 256"):  # within the bound: judged by tokens
         engine.check_prompt("a " * (bound // 2))
     assert calls == [bound // 2 * 2]
+
+
+@pytest.mark.parametrize("given", ["list", "json-text"])
+def test_a_choice_list_past_the_cap_is_refused_before_it_is_walked(monkeypatch, given):
+    """The count comes first: normalizing a 60k-choice list (depth walk, canonical JSON) held the GIL ~35 ms on the
+    server's request path, and six at once stalled /health past its 100 ms bound."""
+    import hybridkv.structured.spec as spec_module
+
+    def walked(*_):
+        raise AssertionError("an over-cap choice list was walked before its count was checked")
+
+    monkeypatch.setattr(spec_module, "json_depth", walked)
+    choices = [f"c{i}" for i in range(MAX_CHOICES + 1)]  # as text, within the byte cap
+    with pytest.raises(ValueError, match=f"{MAX_CHOICES + 1} choices; at most"):
+        StructuredOutputs("choice", choices if given == "list" else json.dumps(choices))
