@@ -16,7 +16,7 @@
 // of x * x in float64: `rms_scale`'s and `l2norm`'s square sums) the same way.
 #pragma GCC optimize("fp-contract=off")  // the combination rounds where the torch code rounds, no fused steps
 
-#include <torch/extension.h>
+#include "torch_api.h"
 
 #include <ATen/Parallel.h>
 

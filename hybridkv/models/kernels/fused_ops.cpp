@@ -6,7 +6,7 @@
 //   row_argmax(x [n, v]) -> int64 [n]: torch.argmax's answer per row (the first largest value; a row holding NaN
 //   gives its first NaN), read in place from bfloat16 rows (no float32 copy of the logits).
 // Rows are independent: a row's bits do not depend on the rows beside it or on the thread count.
-#include <torch/extension.h>
+#include "torch_api.h"
 
 #include <ATen/Parallel.h>
 

@@ -11,7 +11,7 @@
 //       decay = e^g. The one-token step's inputs (`gated_deltanet.step_inputs` after silu, in one pass).
 //   gated_rms_norm(o [N, Hv, dv], z [N, Hv dv], weight [dv] float32, eps) -> [N, Hv dv] in o's dtype:
 //       per head o / sqrt(mean(o^2) + eps) * weight * silu(z), rounded once.
-#include <torch/extension.h>
+#include "torch_api.h"
 
 #include <ATen/Parallel.h>
 

@@ -13,7 +13,7 @@
 // The bits equal oneDNN's (torch 2.13's, measured on every shape the tests list, 1-32 rows): each output lane
 // accumulates vdpbf16ps pair products in k order, in K blocks that start from zero and are added in order, then
 // the bias, then one rounding. oneDNN's K block is 512, or 1024 for two rows or more when K > 1024.
-#include <torch/extension.h>
+#include "torch_api.h"
 
 #include <ATen/Parallel.h>
 

@@ -12,7 +12,7 @@
 // floats, in L1/L2), then every group of up to 3 rows runs over it: 12 accumulators, lane i of accumulator (r, j)
 // summing x[r, k] w[j, k] over k = 8s + i in order of s; then a fixed tree of the 8 lanes, the bias, one rounding.
 // A row's bits depend on that row and the weight alone: not on the rows beside it or the thread count.
-#include <torch/extension.h>
+#include "torch_api.h"
 
 #include <ATen/Parallel.h>
 

@@ -12,7 +12,7 @@
 //
 // Each request's visible keys are cut into splits of kSplit positions (at absolute multiples of kSplit), one task
 // each, merged in order: a request's result depends only on its own keys, not on the batch or the thread count.
-#include <torch/extension.h>
+#include "../../models/kernels/torch_api.h"
 
 #include <ATen/Parallel.h>
 

@@ -14,7 +14,7 @@
 // Keys are visited in blocks of kKeys at absolute multiples of kKeys, and every query row's arithmetic depends
 // only on its own query, its visible keys and their positions: the same bits however the prompt was chunked,
 // however queries were tiled, and on any thread count.
-#include <torch/extension.h>
+#include "../../models/kernels/torch_api.h"
 
 #include <ATen/Parallel.h>
 

@@ -17,7 +17,7 @@
 // fused multiply-add: fp-contract is off for this file), whatever the batch or the thread count.
 #pragma GCC optimize("fp-contract=off")
 
-#include <torch/extension.h>
+#include "../../models/kernels/torch_api.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
