@@ -50,6 +50,7 @@ class Process:
     """`hybridkv <args>` (or `<program> <args>`) with --port set to a free port, started and healthy.
 
     `env` replaces the child's environment (default: this process's); `timeout` bounds the wait for /health.
+    `wait=False` returns at once (the url is known, the server not yet up): start several, then `together()`.
     Output goes to a log file that errors quote (`output()`); `stop()` removes it."""
 
     def __init__(
@@ -58,17 +59,25 @@ class Process:
         program: Sequence[str] | None = None,
         env: Mapping[str, str] | None = None,
         timeout: float = 90,
+        wait: bool = True,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.timeout = timeout
         self.log = Path(tempfile.mkstemp(prefix="hybridkv-", suffix=".log")[1])
         argv = [*(program or hybridkv_command()), *args, "--port", str(self.port)]
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=out, env=dict(env) if env is not None else None)
+        if wait:
+            self.ready()
+
+    def ready(self) -> Process:
+        """Wait until /health answers 200 (see `wait_healthy`); the error quotes the process's output."""
         try:
-            wait_healthy(self.url, self.proc, timeout)
+            wait_healthy(self.url, self.proc, self.timeout)
         except RuntimeError as e:
             raise RuntimeError(f"{e}\n{self.output()}") from e
+        return self
 
     def output(self) -> str:
         """The last 4000 characters of the process's output."""
@@ -87,3 +96,16 @@ class Process:
             except subprocess.TimeoutExpired:
                 self.kill()
         self.log.unlink(missing_ok=True)
+
+
+def together(*procs: Process) -> tuple[Process, ...]:
+    """`procs` (started with wait=False, so their start-ups overlap: ~4 s of imports and loading each) once all
+    are healthy; if one fails, every one is stopped and the error raised."""
+    try:
+        for proc in procs:
+            proc.ready()
+    except BaseException:
+        for proc in procs:
+            proc.stop()
+        raise
+    return procs

@@ -11,12 +11,11 @@ def secure_mesh():
     """(prefill, decode, proxy) on loopback with a mesh secret; the prefill's leases live at most 2*3+5 s."""
     from hybridkv.connectors.mesh_auth import SECRET_ENV
     from tests.pd.attack_util import MODEL, SECRET
-    from tests.pd.pd_util import proxy, server
+    from tests.pd.pd_util import fronted, server
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(SECRET_ENV, SECRET)
-        p, d = server(MODEL, kv_transfer_timeout_s=5), server(MODEL)
-        x = proxy(p, d)
+        p, d, x = fronted(server(MODEL, kv_transfer_timeout_s=5, wait=False), server(MODEL, wait=False))
         yield p, d, x
         for proc in (x, p, d):
             proc.stop()

@@ -13,7 +13,7 @@ import pytest
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from tests.metrics_util import scrape
-from tests.procs import Process
+from tests.procs import Process, together
 
 try:
     from hybridkv.connectors.pd.transport import _nixl
@@ -27,15 +27,22 @@ HELDOUT = [json.loads(line) for line in (DEFAULT_MODEL_DIR / "heldout.jsonl").re
 SHORT = ["Remember these codes.\n- ant 58\nQ: what is ant?\nA: ant", "hi"]  # shorter than the 16-token window
 
 
-def server(model: str, layout: str = "per-layer", *extra: str, **options) -> Process:
+def server(model: str, layout: str = "per-layer", *extra: str, wait: bool = True, **options) -> Process:
+    """An instance with a NixlConnector (`options`: its extra config); `wait=False`: see `fronted`."""
     config = {"side_channel_port": 0, "kv_lease_s": 3} | options  # 0: a free port at bind (no race)
     ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": config}
     args = ["--model", model, "--kv-layout", layout, *ENGINE, "--enable-admin", "--kv-transfer-config"]
-    return Process("serve", *args, json.dumps(ktc), *extra)
+    return Process("serve", *args, json.dumps(ktc), *extra, wait=wait)
 
 
-def proxy(prefill: Process, decode: Process) -> Process:
-    return Process("proxy", "--prefill", prefill.url, "--decode", decode.url)
+def proxy(prefill: Process, decode: Process, wait: bool = True) -> Process:
+    return Process("proxy", "--prefill", prefill.url, "--decode", decode.url, wait=wait)
+
+
+def fronted(prefill: Process, decode: Process) -> tuple[Process, Process, Process]:
+    """(prefill, decode, a proxy in front of them), all healthy: the three start-ups overlap, so pass instances
+    started with wait=False (two servers and a proxy one after another take ~11 s on 2 cores, together ~5)."""
+    return together(prefill, decode, proxy(prefill, decode, wait=False))
 
 
 def complete(url: str, prompt: str, max_tokens: int = 12, **extra) -> dict:

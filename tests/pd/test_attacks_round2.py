@@ -14,7 +14,7 @@ import pytest
 
 from tests.pd.attack_util import ATTACKER, MODEL, PUBLIC, resign, stats, text
 from tests.pd.pd_util import HELDOUT, assert_clean, complete, prefill_only, server
-from tests.procs import free_port
+from tests.procs import free_port, together
 from tests.serve.siege import HealthProbe
 
 HEALTH_S = 0.1  # the longest /health may take during an attack
@@ -27,7 +27,7 @@ def open_mesh():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv(SECRET_ENV, raising=False)
-        p, d = server(MODEL), server(MODEL)
+        p, d = together(server(MODEL, wait=False), server(MODEL, wait=False))
         yield p, d
         for proc in (p, d):
             proc.stop()

@@ -19,7 +19,7 @@ import pytest
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from hybridkv.tasks.kv_recall import read_jsonl, score
-from tests.pd.pd_util import ENGINE, kv_state, proxy, server
+from tests.pd.pd_util import ENGINE, fronted, kv_state, server
 from tests.procs import Process
 
 MODEL = str(DEFAULT_MODEL_DIR)
@@ -73,16 +73,14 @@ def buggy_decoder(folder: Path) -> Process:
         "kv_connector_extra_config": {"side_channel_port": 0},
     }
     args = ["--model", MODEL, *ENGINE, "--enable-admin", "--kv-transfer-config", json.dumps(ktc)]
-    return Process("serve", *args, env=env)
+    return Process("serve", *args, env=env, wait=False)  # started with the prefill (fronted)
 
 
 def test_blocks_read_from_another_request_cost_at_least_0_3(baseline, tmp_path, monkeypatch):
     from hybridkv.connectors.mesh_auth import SECRET_ENV
 
     monkeypatch.setenv(SECRET_ENV, secrets.token_hex(16))
-    prefill = server(MODEL)
-    decoder = buggy_decoder(tmp_path)
-    router = proxy(prefill, decoder)
+    prefill, decoder, router = fronted(server(MODEL, wait=False), buggy_decoder(tmp_path))
     try:
         acc = accuracy(router.url)
         connector = kv_state(decoder)["connector"]

@@ -12,14 +12,14 @@ import pytest
 
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from tests.pd.pd_util import HELDOUT, assert_clean, kv_state, proxy, server, single_instance
-from tests.procs import Process, free_port, wait_healthy
+from tests.procs import Process, free_port, together, wait_healthy
 
 MODEL, MODEL_PROMPTS = str(DEFAULT_MODEL_DIR), [it["prompt"] for it in HELDOUT[60:63]]
 
 
 @pytest.fixture(scope="module")
 def mesh():
-    p, d = server(MODEL), server(MODEL, "packed")
+    p, d = together(server(MODEL, wait=False), server(MODEL, "packed", wait=False))
     yield p, d
     p.stop()
     d.stop()

@@ -21,6 +21,7 @@ from tests.pd.pd_util import (
     SHORT,
     assert_clean,
     complete,
+    fronted,
     kv_state,
     metrics,
     prefill_only,
@@ -29,7 +30,7 @@ from tests.pd.pd_util import (
     single_instance,
     transfers,
 )
-from tests.procs import Process
+from tests.procs import Process, together
 
 
 @pytest.fixture(scope="module", autouse=True, params=["mesh secret", "no secret"])
@@ -46,8 +47,7 @@ def mesh(request):
 
 @pytest.fixture(scope="module")
 def embedded(mesh):
-    p, d = server(str(DEFAULT_MODEL_DIR)), server(str(DEFAULT_MODEL_DIR))
-    x = proxy(p, d)
+    p, d, x = fronted(server(str(DEFAULT_MODEL_DIR), wait=False), server(str(DEFAULT_MODEL_DIR), wait=False))
     yield p, d, x
     for proc in (x, p, d):
         proc.stop()
@@ -77,8 +77,9 @@ def test_embedded_model_through_the_proxy_equals_one_instance(embedded):
 
 def test_mixed_layouts_packed_prefill_to_per_layer_decode(embedded):
     _, d, _ = embedded
-    p = server(str(DEFAULT_MODEL_DIR), "packed")
-    x = proxy(p, d)
+    p = server(str(DEFAULT_MODEL_DIR), "packed", wait=False)
+    x = proxy(p, d, wait=False)
+    together(p, x)
     try:
         with transfers(d, reads=4):
             through_proxy_equals_single_instance(str(DEFAULT_MODEL_DIR), x, [it["prompt"] for it in HELDOUT[6:10]])
@@ -91,8 +92,7 @@ def test_mixed_layouts_packed_prefill_to_per_layer_decode(embedded):
 @pytest.mark.parametrize("prefill_layout", ["packed", "per-layer"])
 def test_tiny_gemma4_with_kv_sharing_into_a_packed_decoder(tiny_gemma4, prefill_layout):
     folder = str(tiny_gemma4)
-    p, d = server(folder, prefill_layout), server(folder, "packed")
-    x = proxy(p, d)
+    p, d, x = fronted(server(folder, prefill_layout, wait=False), server(folder, "packed", wait=False))
     try:
         prompts = ["the quick brown fox " * n for n in (1, 3, 9, 20)]  # 4 to ~80 tokens: around the window
         with transfers(d, at_least=3):
@@ -257,8 +257,9 @@ def prompt_tokens(p: Process) -> float:
 
 def test_the_proxy_round_robins_over_prefill_instances(embedded):
     p, d, _ = embedded
-    p2 = server(str(DEFAULT_MODEL_DIR), "packed")
-    x = Process("proxy", "--prefill", p.url, p2.url, "--decode", d.url)
+    p2 = server(str(DEFAULT_MODEL_DIR), "packed", wait=False)
+    x = Process("proxy", "--prefill", p.url, p2.url, "--decode", d.url, wait=False)
+    together(p2, x)
     try:
         assert httpx.get(f"{x.url}/health").json()["prefill"] == [p.url, p2.url]
         before = prompt_tokens(p), prompt_tokens(p2)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.pd.pd_util import assert_clean, proxy, server, transfers
+from tests.pd.pd_util import assert_clean, fronted, server, transfers
 from tests.pd.test_pd_hybrid import PROMPTS, single, through
 from tests.tiny_models import add_tokenizer, build
 
@@ -19,8 +19,7 @@ CASES = [("gemma4", ("per-layer", "packed")), ("gemma4", ("packed", "packed")), 
 def test_through_the_proxy_equals_one_instance_bit_for_bit(name, layouts, tmp_path):
     pytest.importorskip("transformers")
     model = str(add_tokenizer(build(name, tmp_path / name)))
-    p, d = server(model, layouts[0]), server(model, layouts[1])
-    x = proxy(p, d)
+    p, d, x = fronted(server(model, layouts[0], wait=False), server(model, layouts[1], wait=False))
     try:
         want = single(model, PROMPTS)
         with transfers(d, at_least=len(PROMPTS) - 1):  # every prompt but the 1-token-short one is read

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hybridkv import LLM, SamplingParams
-from tests.pd.pd_util import assert_clean, complete, proxy, server, transfers
+from tests.pd.pd_util import assert_clean, complete, fronted, server, transfers
 from tests.tiny_models import add_tokenizer
 
 PROMPTS = ["the quick brown fox " * n for n in (1, 2, 5, 9, 14)]  # up to ~280 tokens: around the split unit
@@ -47,8 +47,7 @@ def through(url: str, prompts: list[str]) -> list[tuple[str, list[float]]]:
 
 @pytest.mark.parametrize("layouts", [("per-layer", "packed"), ("packed", "packed")])
 def test_through_the_proxy_equals_one_instance_bit_for_bit(hybrid, layouts):
-    p, d = server(hybrid, layouts[0]), server(hybrid, layouts[1])
-    x = proxy(p, d)
+    p, d, x = fronted(server(hybrid, layouts[0], wait=False), server(hybrid, layouts[1], wait=False))
     try:
         want = single(hybrid, PROMPTS)
         with transfers(d, at_least=len(PROMPTS) - 1) as first:  # every prompt but the 1-token-short one is read
@@ -75,8 +74,7 @@ def test_through_the_proxy_equals_one_instance_bit_for_bit(hybrid, layouts):
 def test_int8_states_through_the_proxy_equal_one_int8_instance(hybrid):
     """Quantized states (`--mamba-ssm-cache-dtype int8`) travel as their int8 bytes and scales: the same bits."""
     int8 = ("--mamba-ssm-cache-dtype", "int8")
-    p, d = server(hybrid, "per-layer", *int8), server(hybrid, "packed", *int8)
-    x = proxy(p, d)
+    p, d, x = fronted(server(hybrid, "per-layer", *int8, wait=False), server(hybrid, "packed", *int8, wait=False))
     try:
         want = single(hybrid, PROMPTS[2:], mamba_ssm_cache_dtype="int8")
         with transfers(d, at_least=3):
@@ -102,8 +100,7 @@ def test_lm_eval_through_the_proxy_on_the_embedded_gdn_model_scores_the_single_i
     llm = LLM(str(model), kv_cache_memory="32MiB", max_model_len=512)
     outs = llm.generate([it["prompt"] for it in items], SamplingParams(max_tokens=8, temperature=0, stop=["\n"]))
     single = sum(score(o.outputs[0].text, it["answer"]) for o, it in zip(outs, items)) / len(items)
-    p, d = server(str(model), "per-layer"), server(str(model), "packed")
-    x = proxy(p, d)
+    p, d, x = fronted(server(str(model), "per-layer", wait=False), server(str(model), "packed", wait=False))
     try:
         with transfers(d, at_least=18):
             assert lm_eval_server_accuracy(x.url, model.name, data) == pytest.approx(single)

@@ -11,7 +11,7 @@ import pytest
 
 from hybridkv import LLM, SamplingParams, StructuredOutputs
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
-from tests.pd.pd_util import HELDOUT, assert_clean, complete, proxy, server, transfers
+from tests.pd.pd_util import HELDOUT, assert_clean, complete, fronted, server, transfers
 
 SCHEMA = {
     "type": "object",
@@ -24,9 +24,7 @@ CONFIG = ["--structured-outputs-config", '{"disable_any_whitespace": true}']
 
 @pytest.fixture(scope="module")
 def pd():
-    p = server(str(DEFAULT_MODEL_DIR), "per-layer", *CONFIG)
-    d = server(str(DEFAULT_MODEL_DIR), "per-layer", *CONFIG)
-    x = proxy(p, d)
+    p, d, x = fronted(*(server(str(DEFAULT_MODEL_DIR), "per-layer", *CONFIG, wait=False) for _ in range(2)))
     yield p, d, x
     for proc in (x, p, d):
         proc.stop()

@@ -15,7 +15,7 @@ import pytest
 
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from tests.pd.pd_util import server
-from tests.procs import Process, free_port
+from tests.procs import Process, free_port, together
 from tests.serve.siege import rss_kib
 
 MODEL = str(DEFAULT_MODEL_DIR)
@@ -26,7 +26,7 @@ BODY = {"prompt": "the quick brown fox", "max_tokens": 4, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def pair():
-    procs = [server(MODEL, "per-layer", "--api-key", KEY), server(MODEL, "per-layer", "--api-key", KEY)]
+    procs = together(*(server(MODEL, "per-layer", "--api-key", KEY, wait=False) for _ in range(2)))
     yield procs
     for p in procs:
         p.stop()

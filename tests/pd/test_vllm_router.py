@@ -14,7 +14,7 @@ import pytest
 
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
 from tests.pd.pd_util import HELDOUT, assert_clean, kv_state, metrics, server, single_instance
-from tests.procs import Process, free_port
+from tests.procs import Process, free_port, together
 
 MODEL = str(DEFAULT_MODEL_DIR)
 PROMPTS = [it["prompt"] for it in HELDOUT[80:84]]
@@ -32,7 +32,7 @@ if shutil.which("vllm-router") is None:
 @pytest.fixture(scope="module")
 def mesh():
     """Two prefill and two decode instances, one of each per KV layout (PD moves KV between layouts)."""
-    procs = [server(MODEL), server(MODEL, "packed"), server(MODEL, "packed"), server(MODEL)]
+    procs = together(*(server(MODEL, layout, wait=False) for layout in ("per-layer", "packed", "packed", "per-layer")))
     yield procs[:2], procs[2:]
     for p in procs:
         p.stop()

@@ -44,8 +44,9 @@ ROWS = {"nixl_": "pd", "kv_offload_": "offload", "kv_block_": "offload", "simple
 def pd_samples() -> dict[str, float]:
     """A PD decoder's /metrics after it read one prompt's KV from a prefill instance."""
     from tests.pd.pd_util import complete, prefill_only, server
+    from tests.procs import together
 
-    p, d = server(str(DEFAULT_MODEL_DIR)), server(str(DEFAULT_MODEL_DIR))
+    p, d = together(server(str(DEFAULT_MODEL_DIR), wait=False), server(str(DEFAULT_MODEL_DIR), wait=False))
     try:
         prompt = "the quick brown fox jumps over the lazy dog " * 6
         out = complete(d.url, prompt, kv_transfer_params=prefill_only(p, prompt))
