@@ -34,18 +34,33 @@ def accuracy(llm: LLM, shape: str = "raw") -> float:
 
 
 @pytest.fixture(scope="module")
-def baseline() -> float:
-    return accuracy(LLM(str(MODEL)))
+def singles() -> dict[str, tuple[LLM, float]]:
+    """shape -> (the instance, its score), each scored once per module: a chat pass is ~25 s on one core."""
+    return {}
+
+
+def single_score(singles: dict[str, tuple[LLM, float]], shape: str) -> tuple[LLM, float]:
+    if shape not in singles:
+        llm = LLM(str(MODEL))
+        singles[shape] = (llm, accuracy(llm, shape))
+    return singles[shape]
+
+
+@pytest.fixture(scope="module")
+def baseline(singles) -> float:
+    return single_score(singles, "raw")[1]
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_scores_well_in_both_layouts_and_with_prefix_caching(shape):
-    single = accuracy(LLM(str(MODEL)), shape)
+def test_scores_well_in_both_layouts_and_with_prefix_caching(singles, shape):
+    llm, single = single_score(singles, shape)
     assert single >= 0.95
     assert accuracy(LLM(str(MODEL), kv_layout="packed"), shape) == single
-    llm = LLM(str(MODEL))
-    accuracy(llm, shape)  # fill the prefix cache: the second pass reuses every shared context block
-    assert accuracy(llm, shape) == single and llm.engine.scheduler.stats.prefix_hit_tokens > 0
+    # The instance's first pass filled its prefix cache: this pass reuses every prompt's shared context blocks.
+    stats = llm.engine.scheduler.stats
+    hits, queried = stats.prefix_hit_tokens, stats.prefix_query_tokens
+    assert accuracy(llm, shape) == single
+    assert stats.prefix_hit_tokens - hits >= (stats.prefix_query_tokens - queried) // 2
 
 
 def test_consumers_reading_the_wrong_layer_fail(baseline):
@@ -74,13 +89,13 @@ def test_full_attention_limited_to_the_window_fails(baseline, monkeypatch):
     assert accuracy(llm) <= baseline - 0.3
 
 
-def test_a_sliding_group_one_block_short_fails(monkeypatch):
+def test_a_sliding_group_one_block_short_fails(singles, monkeypatch):
     """Sliding groups free a block one step early (first_needed_block off by one): the decode steps find the null
     block where their window's oldest block was. On 5-shot chats, the seed's shape (raw prompts lose ~0.25)."""
     shape = "chat 5-shot"
     if shape not in SHAPES:
         pytest.skip("the model folder has no fewshot.jsonl")
-    single = accuracy(LLM(str(MODEL)), shape)
+    single = single_score(singles, shape)[1]
     first = SlidingWindowSpec.first_needed_block
 
     def one_early(spec: SlidingWindowSpec, num_tokens: int) -> int:
