@@ -123,3 +123,10 @@ def bind_attributes(model: nn.Module) -> None:
     for module in model.modules():
         module.__dict__.update(module._modules)
         module.__dict__.update(module._parameters)
+
+
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """An `nn.Embedding` whose [num, dim] table is allocated on the current default device (meta, while
+    `build_model` builds) but not initialised: the checkpoint fills it. nn.Embedding's own random init on the meta
+    device goes through torch._refs, which imports torch._dynamo: ~1.8 s of every server's start-up."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))

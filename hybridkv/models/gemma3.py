@@ -16,7 +16,7 @@ from torch import nn
 
 from hybridkv.kv.model_kv import GEMMA3_SHAPE_DEFAULTS, MODEL_READERS
 from hybridkv.models import norm, rope
-from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
+from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates, embedding
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.gemma4 import _in_dtype
 from hybridkv.models.linear import PACKED_DTYPES, Linear, output_logits
@@ -102,7 +102,7 @@ class Gemma3ForCausalLM(CausalLM):
 
         hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
         self.embed_scale = hidden**0.5
-        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.embed_tokens = embedding(vocab, hidden)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in shapes)
         self.norm = RMSNorm(hidden, cfg["rms_norm_eps"])
         self.lm_head = None if cfg["tie_word_embeddings"] else Linear(hidden, vocab, bias=False)

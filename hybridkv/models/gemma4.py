@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kv.model_kv import MODEL_READERS, LayerAttn
-from hybridkv.models.base import AttentionFn, CausalLM, OutputRows, RecurrentStates
+from hybridkv.models.base import AttentionFn, CausalLM, OutputRows, RecurrentStates, embedding
 from hybridkv.models.batch_invariant import ACTIVATIONS as EXACT_ACTIVATIONS
 from hybridkv.models.batch_invariant import ExactOps
 from hybridkv.models.fuse import FusedLinear
@@ -226,7 +226,7 @@ class Gemma4ForCausalLM(CausalLM):
 
         hidden, n = cfg["hidden_size"], cfg["num_hidden_layers"]
         self.embed_scale = hidden**0.5
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
+        self.embed_tokens = embedding(cfg["vocab_size"], hidden)
         self.layers = nn.ModuleList(DecoderLayer(cfg, s, i in self.kv_sharing) for i, s in enumerate(shapes))
         self.norm = RMSNorm(hidden, cfg["rms_norm_eps"])
         self.lm_head = None if tied else Linear(hidden, cfg["vocab_size"], bias=False)
@@ -234,7 +234,7 @@ class Gemma4ForCausalLM(CausalLM):
 
         self.ple_dim: int = cfg["hidden_size_per_layer_input"]
         if self.ple_dim:
-            self.embed_tokens_per_layer = nn.Embedding(cfg["vocab_size_per_layer_input"], n * self.ple_dim)
+            self.embed_tokens_per_layer = embedding(cfg["vocab_size_per_layer_input"], n * self.ple_dim)
             self.per_layer_model_projection = Linear(hidden, n * self.ple_dim, bias=False)
             self.per_layer_projection_norm = RMSNorm(self.ple_dim, cfg["rms_norm_eps"])
 

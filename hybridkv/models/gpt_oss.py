@@ -19,7 +19,7 @@ from torch import nn
 
 from hybridkv.kv.model_kv import MODEL_READERS
 from hybridkv.models import norm
-from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
+from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates, embedding
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.linear import PACKED_DTYPES, Linear, output_logits
 from hybridkv.models.llama import Attention as LlamaAttention
@@ -157,7 +157,7 @@ class GptOssForCausalLM(CausalLM):
         head_dim = shapes[0].head_size
 
         hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
-        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.embed_tokens = embedding(vocab, hidden)
         self.layers = nn.ModuleList(DecoderLayer(cfg, head_dim) for _ in shapes)
         self.norm = RMSNorm(hidden, cfg["rms_norm_eps"])
         self.lm_head = None if cfg["tie_word_embeddings"] else Linear(hidden, vocab, bias=False)

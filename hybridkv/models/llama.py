@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kv.model_kv import MODEL_READERS
-from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
+from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates, embedding
 from hybridkv.models.batch_invariant import ACTIVATIONS as EXACT_ACTIVATIONS
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.fused import ACT_CODES, norm_kernel
@@ -141,7 +141,7 @@ class LlamaForCausalLM(CausalLM):
         bias = cfg.get("attention_bias", False)
         qkv_bias, o_bias = (True, False) if qwen2 else (bias, bias)
         qk_norm = model_type == "qwen3"
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = embedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, head_dim, qkv_bias, o_bias, qk_norm) for _ in range(cfg["num_hidden_layers"])
         )

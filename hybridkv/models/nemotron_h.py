@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.models import exact
-from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
+from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates, embedding
 from hybridkv.models.linear import Linear, project
 from hybridkv.models.mamba2 import causal_conv, ssd_chunk_scan, ssd_step
 from hybridkv.models.norm import RMSNorm
@@ -215,7 +215,7 @@ class NemotronHForCausalLM(CausalLM):
         self.kinds = kinds
         self.layer_windows: list[int | None] = [None] * len(kinds)
         self.kv_sharing: dict[int, int] = {}
-        self.embeddings = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embeddings = embedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(Block(cfg, kind) for kind in kinds)
         self.norm_f = RMSNorm(cfg["hidden_size"], cfg["layer_norm_epsilon"])
         # transformers' NemotronHForCausalLM never ties its head (no tied-weight keys), so neither do we

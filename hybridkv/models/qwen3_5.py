@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hybridkv.models import exact, norm
-from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates
+from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates, embedding
 from hybridkv.models.exact import linear
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.fused import ACT_CODES
@@ -171,7 +171,7 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.layer_windows: list[int | None] = [None] * len(self.layer_types)
         self.kv_sharing: dict[int, int] = {}
 
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = embedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(DecoderLayer(cfg, t, head_dim, rotary_dim) for t in self.layer_types)
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         tied = cfg.get("tie_word_embeddings", False)
