@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from tests.procs import Process, free_port
+from tests.procs import Process, free_port, together
 
 if shutil.which("vllm-router") is None:
     pytest.skip("vllm-router is not installed (it is in the test extra)", allow_module_level=True)
@@ -46,14 +46,15 @@ QUESTIONS = ["What is first?", "Name a place.", "Count the lamps.", "Say it agai
 
 
 def serve(events_port: int) -> Process:
+    """An instance publishing KV events on `events_port`, not yet healthy (`together` waits for it)."""
     config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events_port}", "topic": ""}
-    return Process("serve", *ENGINE, "--kv-events-config", json.dumps(config), timeout=300)
+    return Process("serve", *ENGINE, "--kv-events-config", json.dumps(config), timeout=300, wait=False)
 
 
 @pytest.fixture(scope="module")
 def deployment():
     ports = [free_port(), free_port()]
-    workers = [serve(port) for port in ports]
+    workers = list(together(*(serve(port) for port in ports)))
     metrics_port = free_port()
     args = ["--worker-urls", *(w.url for w in workers), "--policy", "kv_aware", "--kv-event-block-size", "16",
             "--kv-event-model", NAME, "--prometheus-host", "127.0.0.1",
