@@ -3,6 +3,7 @@ Each writes its output to a log file that start-up errors quote; `Process` waits
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -14,10 +15,35 @@ from pathlib import Path
 
 import httpx
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 where it cannot be read)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (another process may take it before it is bound)."""
-    with socket.socket() as s:
+    """A TCP port free on 127.0.0.1 now, taken below the kernel's ephemeral range: a server binds its port only
+    after it loads (seconds), and in that time every bind to port 0 (a side channel) and every outgoing connection
+    draws from the ephemeral range, so none can take this port first. Never the same port twice in a process."""
+    start = _ephemeral_start()
+    if start > 11_000:
+        for port in random.sample(range(10_000, start), 200):
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    with socket.socket() as s:  # no room below the range (or all taken): one the kernel picks
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
