@@ -57,9 +57,11 @@ def test_reads_a_weight_whose_rows_are_strided():
     assert_float32_sum_rounded_once(widened_kernel().widened_rows(x[:, 10:70].contiguous(), w, b), x[:, 10:70], w, b)
 
 
-def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads():
-    """One or two rows widen the weight in registers, more through a scratch: the same sums either way."""
-    x, w, b = operands(130, 1029, 16, 5, True)
+@pytest.mark.parametrize(("n", "k"), [(130, 1029), (132, 1021), (132, 640)])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(n, k):
+    """One or two rows widen the weight in registers (one row with K <= 1024 eight weight rows at a time, then a
+    last block of four: n = 132), more through a scratch: the same sums either way."""
+    x, w, b = operands(n, k, 16, 5, True)
     ops, threads = widened_kernel(), torch.get_num_threads()
     together = ops.widened_rows(x, w, b)
     for i in range(x.shape[0]):
