@@ -4,6 +4,9 @@ cannot take them while a server loads), free when handed out, never handed out t
 from __future__ import annotations
 
 import socket
+import sys
+
+import pytest
 
 from hybridkv import launch
 
@@ -46,3 +49,11 @@ def test_an_unreadable_range_means_linuxs_default_and_no_room_means_the_kernels_
     assert launch._ephemeral_start() == 1024
     port = launch.free_port()
     assert port >= 1024  # the kernel's pick: nothing below the range to choose from
+
+
+def test_together_stops_every_process_when_one_fails_to_start():
+    sleeper = launch.Process(program=[sys.executable, "-c", "import time; time.sleep(60)"], timeout=5, wait=False)
+    failing = launch.Process(program=[sys.executable, "-c", "raise SystemExit(3)"], timeout=5, wait=False)
+    with pytest.raises(RuntimeError, match="server exited"):
+        launch.together(failing, sleeper)
+    assert sleeper.proc.poll() is not None and failing.proc.poll() == 3
