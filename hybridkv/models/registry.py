@@ -15,7 +15,6 @@ from hybridkv.models.batch_invariant import make_batch_invariant
 from hybridkv.models.fused import use_fused_ops
 from hybridkv.models.linear import pack_linears, weight_packer
 from hybridkv.models.loader import load_weights, resolve_dtype
-from hybridkv.models.widened import return_large_blocks, widen_weight
 
 MODELS: dict[str, str] = {  # model_type -> "module:class", imported when first asked for
     "llama": "hybridkv.models.llama:LlamaForCausalLM",
@@ -76,7 +75,5 @@ def load_model(
     ):
         pack_linears(model, packer)
         use_fused_ops(model)
-        if packer is widen_weight:
-            return_large_blocks()  # the float32 temporaries of long prefills go back to the OS
     bind_attributes(model)
     return model

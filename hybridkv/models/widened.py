@@ -7,7 +7,8 @@ computes in float32:
 
     rows <= ROWS_LIMIT   `widened_rows` (models/kernels/widened_rows.cpp): the weight streamed once and widened
                          in registers-sized pieces, 8-lane FMAs; a row's bits do not depend on the rows beside it
-    more rows            MKL's float32 matmul over the weight widened BLOCK_ROWS output rows at a time
+    more rows            MKL's float32 matmul over the weight widened BLOCK_ROWS output rows at a time,
+                         ROW_PIECE rows of x at a time, in buffers reused from call to call
 
 Either way the sums are float32 and the result rounds once to bfloat16. bfloat16 promises no batch invariance
 (`exact_unit` is None), so the switch at ROWS_LIMIT may change a row's last bit, as oneDNN's own kernels do.
@@ -15,18 +16,18 @@ Either way the sums are float32 and the result rounds once to bfloat16. bfloat16
 
 from __future__ import annotations
 
-import ctypes
 import functools
+import threading
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from hybridkv.native import load_kernel
 
 SOURCE = Path(__file__).parent / "kernels" / "widened_rows.cpp"
 ROWS_LIMIT = 32  # rows up to which the kernel beats widen + MKL (Zen 3, 1 thread: 2.0x at 8, 1.3x at 32, 0.9x at 64)
 BLOCK_ROWS = 4096  # output rows widened at once on the matmul path: 16 MiB of float32 at K = 1024
+ROW_PIECE = 256  # rows of x per float32 matmul on that path: 4 MiB of float32 output at BLOCK_ROWS
 
 
 @functools.cache
@@ -68,33 +69,47 @@ class WidenedWeight:
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class Scratch(threading.local):
+    """float32 buffers that the matmul path reuses from call to call, one set per thread, each grown to the
+    largest size asked (Qwen3-0.6B's shape: 16 + 3 + 4 MiB). Allocated afresh, they were a 2048-token prefill
+    step's largest temporaries, faulted in page by page on every call."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+        """A [rows, cols] float32 view of buffer `name`, its contents undefined."""
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.numel() < rows * cols or buffer.device != device:
+            with torch.inference_mode(False):  # a plain tensor: writable in and outside inference mode
+                buffer = self.buffers[name] = torch.empty(rows * cols, dtype=torch.float32, device=device)
+        return buffer[: rows * cols].view(rows, cols)
+
+
+SCRATCH = Scratch()
+
+
 def widened_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T (+ bias) through float32 matmuls, BLOCK_ROWS output rows of the weight widened at a time."""
-    xf = x.float()
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    for n0 in range(0, weight.shape[0], BLOCK_ROWS):
-        n1 = min(weight.shape[0], n0 + BLOCK_ROWS)
+    """x @ W^T (+ bias) through float32 matmuls, BLOCK_ROWS output rows of the weight widened at a time and
+    ROW_PIECE rows of x widened and multiplied at a time, all in `SCRATCH`: a call's only new memory is its
+    result."""
+    m, (n, k) = x.shape[0], weight.shape
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, BLOCK_ROWS):
+        n1 = min(n, n0 + BLOCK_ROWS)
+        w = SCRATCH.take("weight", n1 - n0, k, x.device).copy_(weight[n0:n1])
         b = None if bias is None else bias[n0:n1].float()
-        out[:, n0:n1] = F.linear(xf, weight[n0:n1].float(), b)
+        for m0 in range(0, m, ROW_PIECE):
+            m1 = min(m, m0 + ROW_PIECE)
+            xs = SCRATCH.take("rows", m1 - m0, k, x.device).copy_(x[m0:m1])
+            part = SCRATCH.take("part", m1 - m0, n1 - n0, x.device)
+            if b is None:
+                torch.mm(xs, w.t(), out=part)
+            else:
+                torch.addmm(b, xs, w.t(), out=part)
+            out[m0:m1, n0:n1] = part
     return out
 
 
 def widen_weight(weight: torch.Tensor) -> WidenedWeight:
     return WidenedWeight(weight)
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD = 4 << 20
-
-
-def return_large_blocks() -> bool:
-    """Have glibc map every allocation of MMAP_THRESHOLD or more and unmap it when freed. By default it raises
-    that threshold up to 32 MiB as blocks are freed and then serves such blocks from its heap, which it keeps:
-    after a 4k prefill of Qwen3-0.6B's shape (float32 temporaries of up to 64 MiB per projection) the process
-    held 736 MiB it no longer used (AMD EPYC Zen 3: RSS 2380 MiB, 1644 after malloc_trim; peak 2507). With the
-    threshold fixed: RSS 1653 after, peak 2248. False where the C library has no mallopt (not glibc)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-    except (OSError, AttributeError):
-        return False

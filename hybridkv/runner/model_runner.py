@@ -14,6 +14,7 @@ from hybridkv.request.batch import ScheduledChunk, SchedulerOutput
 from hybridkv.runner import kernels
 from hybridkv.runner.attention import GroupMetadata, PagedAttention, Workspace
 from hybridkv.runner.attention_masks import Tile
+from hybridkv.runner.heap import HeapPolicy
 from hybridkv.runner.states import PagedStates, check_state_shapes, steps_in_place
 from hybridkv.runner.step_index import QUERY_TILE, IndexPack, StepIndex, run_kind
 
@@ -37,6 +38,7 @@ class ModelRunner:
         self.memory = KVCacheMemory(plan, device)
         self.workspace = Workspace()
         self.out_workspace = Workspace()  # the output rows' attention (`OutputRows`) gathers into its own buffers
+        self.heap = HeapPolicy.for_device(device.type)
         # Exact steps: per-request tiles of the split unit (`step_index`).
         if plan.state is not None:
             exact_tile = plan.state.align
@@ -100,6 +102,7 @@ class ModelRunner:
         chunks = sorted(output.chunks, key=kind)
         pack = IndexPack()
         lengths = [len(c.token_ids) for c in chunks]
+        self.heap.before_step(sum(lengths))
         decodes = [decode(c) for c in chunks]
         solo = self.exact and self.decode_kernel is None
         step = StepIndex([c.start for c in chunks], lengths, pack, self.query_tile, self.exact, decodes, solo)

@@ -103,10 +103,11 @@ def test_a_weight_sends_few_rows_to_the_kernel_and_more_to_float32_matmuls(monke
     assert weight(x.view(1, -1, 200)[:, :3], b).shape == (1, 3, 130), "leading dimensions kept"
 
 
-def test_the_matmul_widens_the_weight_in_blocks(monkeypatch):
+def test_the_matmul_widens_the_weight_in_blocks_and_multiplies_rows_in_pieces(monkeypatch):
     x, w, b = operands(130, 200, 40, 9, True)
     whole = widened_matmul(x, w, b)
     monkeypatch.setattr(widened, "BLOCK_ROWS", 32)  # 5 blocks, the last short
+    monkeypatch.setattr(widened, "ROW_PIECE", 16)  # 3 pieces, the last short
     assert_float32_sum_rounded_once(widened_matmul(x, w, b), x, w, b)
     assert (widened_matmul(x, w, b).float() - whole.float()).abs().max() <= 0.05
 
@@ -130,10 +131,7 @@ def test_a_bfloat16_model_runs_its_projections_widened(tmp_path, monkeypatch):
     monkeypatch.delenv("HYBRIDKV_KERNELS", raising=False)
     folder = build("qwen3", tmp_path / "m", head_dim=32, hidden_size=128, intermediate_size=256)
     batch = [[5, 9, 200, 17, 3, 88] * 4, [11, 12, 13]]
-    returned: list[bool] = []
-    monkeypatch.setattr(registry, "return_large_blocks", lambda: returned.append(True))
     llm = bf16_engine(monkeypatch, folder, widened.widen_weight)
-    assert returned == [True], "a widened model has glibc unmap its large float32 temporaries"
     readers = linear_readers(llm.engine.model)
     assert readers and all(isinstance(r, WidenedWeight) for r in readers)
     assert any(r.out_features == llm.engine.model.embed_tokens.num_embeddings for r in readers), "the tied head"
@@ -144,19 +142,3 @@ def test_a_bfloat16_model_runs_its_projections_widened(tmp_path, monkeypatch):
     for g, w in zip(got, want, strict=True):
         span = float(w[0].amax() - w[0].amin())
         assert float((g[:2] - w[:2]).abs().max()) <= 0.03 * span
-
-
-def test_large_blocks_go_back_to_the_os_after_the_threshold_is_fixed():
-    """glibc's own rule would serve the second block below from its heap (a freed 24 MiB mapping raises its
-    threshold past 16 MiB) and keep it; with the threshold fixed both are unmapped when freed."""
-    assert widened.return_large_blocks(), "glibc's mallopt refused (or this is not glibc)"
-
-    def rss() -> int:
-        return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) << 10
-
-    before = rss()
-    for mib in (24, 16):
-        block = torch.ones(mib << 18)  # every page written
-        assert rss() - before > (mib - 4) << 20
-        del block
-    assert rss() - before < 8 << 20
