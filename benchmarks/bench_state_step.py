@@ -5,7 +5,7 @@ bandwidth. Side by side in one run: states stepped in the pool (the native kerne
 state gathered into a copy, stepped by `gated_delta_step` and written back).
 
     python benchmarks/bench_state_step.py [--batch 32] [--prompt 64] [--steps 12] [--threads 1] [--json]
-                                          [--state-dtypes float32 int8]
+                                          [--state-dtypes float32 int8] [--paths pool copies]
 
 With several --state-dtypes (`--mamba-ssm-cache-dtype`) each is measured in the same run, against the floor of its
 own state bytes and against the first one's step time.
@@ -79,11 +79,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--state-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "int8"])
+    paths = ["pool", "copies"]  # the in-pool kernel; the torch path with gathered copies
+    parser.add_argument("--paths", nargs="+", default=paths, choices=paths, help="default: both")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         folder = hybrid_models.build(Path(tmp) / "state-0.8b", "state-0.8b")
-        rows = [decode_steps(folder, args, pool, d) for d in args.state_dtypes for pool in (True, False)]
+        paths = [p == "pool" for p in args.paths]
+        rows = [decode_steps(folder, args, pool, d) for d in args.state_dtypes for pool in paths]
     for r in rows:
         r["floor_ms"] = copy_floor(r["state_bytes"] * args.batch) / args.batch * 1e3
         r["vs_floor"] = r["ms_per_request_step"] / r["floor_ms"]

@@ -25,7 +25,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -51,6 +51,35 @@ void rows_block(const float* w, const double* x, int64_t k_size, double* acc_out
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_storeu_pd(acc_out + r * kCols + 8 * j, acc[r][j]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// 16 ymm registers: the block's 32 columns go in two halves of 16 (4 vectors of 4 float64), rows P <= 2 at a time
+// (8 accumulators + 4 weight vectors + a broadcast). The sums are exact integers: FMA or not, any order, the same.
+template <int P>
+void half_block(const float* w, const double* x, int64_t k_size, int half, double* acc_out) {
+  __m256d acc[P][4];
+  for (int r = 0; r < P; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_pd();
+  for (int64_t k = 0; k < k_size; ++k) {
+    const float* wk = w + k * kCols + 16 * half;
+    __m256d wd[4];
+    for (int j = 0; j < 4; ++j) wd[j] = _mm256_cvtps_pd(_mm_loadu_ps(wk + 4 * j));
+    for (int r = 0; r < P; ++r) {
+      const __m256d xr = _mm256_broadcast_sd(x + r * k_size + k);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_pd(xr, wd[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < P; ++r)
+    for (int j = 0; j < 4; ++j) _mm256_storeu_pd(acc_out + r * kCols + 16 * half + 4 * j, acc[r][j]);
+}
+
+template <int R>
+void rows_block(const float* w, const double* x, int64_t k_size, double* acc_out) {
+  for (int half = 0; half < 2; ++half) {
+    int r = 0;
+    for (; r + 2 <= R; r += 2) half_block<2>(w, x + r * k_size, k_size, half, acc_out + r * kCols);
+    if (r < R) half_block<1>(w, x + r * k_size, k_size, half, acc_out + r * kCols);
+  }
 }
 #else
 template <int R>
