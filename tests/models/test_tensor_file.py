@@ -108,3 +108,18 @@ def test_not_json_and_too_short_are_refused(tmp_path):
     garbage.write_bytes(struct.pack("<Q", 4) + b"\xff{x}")
     with pytest.raises(ValueError, match="not JSON"), garbage.open("rb", buffering=0) as f:
         list(stored_tensors(f, garbage))
+
+
+def test_a_file_cut_short_after_its_header_was_read_is_refused_naming_the_tensor(tmp_path):
+    """The header fit the file when it was listed; the file then lost its tail (rewritten under the loader)."""
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.randn(64), "b": torch.randn(64)}, str(path))
+    with path.open("rb", buffering=0) as f:
+        stored = {s.name: s for s in stored_tensors(f, path)}
+        last = max(stored.values(), key=lambda s: s.end)
+        with path.open("r+b") as cut:
+            cut.truncate(last.end - 10)
+        first = min(stored.values(), key=lambda s: s.start)
+        read_into(f, first, torch.empty(first.shape))  # whole: before the cut
+        with pytest.raises(ValueError, match=f"{last.name}: the file ended inside its bytes"):
+            read_into(f, last, torch.empty(last.shape))
