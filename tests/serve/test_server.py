@@ -271,3 +271,20 @@ def test_lm_eval_on_the_embedded_model_through_the_server(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+@pytest.mark.parametrize(
+    ("route", "payload"),
+    [
+        ("/v1/completions/render", {"model": "gpt-9", "prompt": "hi"}),
+        ("/v1/chat/completions/render", {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+def test_the_render_routes_refuse_a_model_the_server_does_not_serve(url, route, payload):
+    r = httpx.post(f"{url}{route}", json=payload, timeout=30)
+    assert r.status_code == 404, r.text
+    assert "gpt-9" in r.json()["error"]["message"] and "does not exist" in r.json()["error"]["message"]
+    served = httpx.post(f"{url}{route}", json=payload | {"model": None}, timeout=30)
+    assert served.status_code == 200, served.text
+    rendered = served.json()[0] if route == "/v1/completions/render" else served.json()  # one per prompt
+    assert rendered["token_ids"], "the same request for the served model renders"
