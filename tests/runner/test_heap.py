@@ -3,10 +3,10 @@ large block: mapped and faulted in again every time after a long step, reused fr
 
 from __future__ import annotations
 
-import ctypes
+import subprocess
+import sys
 
 import pytest
-import torch
 
 from hybridkv.engine.llm import LLM
 from hybridkv.request.sampling_params import SamplingParams
@@ -43,48 +43,48 @@ def test_a_refusing_c_library_is_left_alone():
     assert HeapPolicy.for_device("cuda").mallopt is None, "a GPU's temporaries are not the C library's"
 
 
-def heap_range() -> tuple[int, int]:
-    with open("/proc/self/maps") as maps:
-        lines = maps.readlines()
-    for line in lines:
-        if line.rstrip().endswith("[heap]"):
-            start, end = line.split()[0].split("-")
-            return int(start, 16), int(end, 16)
-    pytest.skip("no [heap] mapping: the C library serves nothing from brk")
-
-
-MALLINFO2 = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keep")
-
+# Run in a fresh interpreter: there the heap holds little free memory, so a block of its free bytes + 4 MiB fits
+# no free chunk and glibc must map it or grow the heap (in a long test session the heap may hold more free
+# memory than the largest threshold glibc accepts, 32 MiB).
+PLACEMENT = """
+import ctypes, sys, torch
+from hybridkv.runner import heap
 
 class MallInfo(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2]
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usm fsm uord ford keep".split()]
 
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo
 
-def free_in_heap(libc: ctypes.CDLL) -> int:
-    libc.mallinfo2.restype = MallInfo
-    return libc.mallinfo2().fordblks  # free bytes in the main arena, its top included
+def heap_range():
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith("[heap]"):
+                return [int(a, 16) for a in line.split()[0].split("-")]
+    sys.exit("no [heap] mapping")
+
+policy = heap.HeapPolicy(heap.glibc_mallopt())
+for tokens in (heap.LONG_STEP_TOKENS, 1, 4096, 64):
+    policy.before_step(tokens)
+    size = libc.mallinfo2().ford + (4 << 20)  # free bytes in the main arena, its top included, + 4 MiB
+    if size >= heap.SHORT_STEP_THRESHOLD:
+        sys.exit(f"the heap holds {size >> 20} MiB free")
+    block = torch.ones(size // 4)
+    start, end = heap_range()
+    print(tokens, "heap" if start <= block.data_ptr() < end else "mapped")
+    del block
+"""
 
 
 def test_a_long_step_maps_a_large_block_and_a_short_step_serves_it_from_the_heap():
     """Where glibc puts a block larger than all the heap's free memory (so it must map it or grow the heap): under
     a long step's rule it maps it, under a short step's it grows the heap."""
-    mallopt = heap.glibc_mallopt()
-    if mallopt is None:
+    if heap.glibc_mallopt() is None:
         pytest.skip("not glibc: the C library's own rule stays")
-    libc = ctypes.CDLL("libc.so.6")
-    policy = HeapPolicy(mallopt)
-    try:
-        for tokens, where in ((heap.LONG_STEP_TOKENS, "mapped"), (1, "heap"), (4096, "mapped"), (64, "heap")):
-            policy.before_step(tokens)
-            size = free_in_heap(libc) + (4 << 20)
-            if size >= heap.SHORT_STEP_THRESHOLD:
-                pytest.skip(f"the heap holds {size >> 20} MiB free: no block fits between the two rules")
-            block = torch.ones(size // 4)
-            start, end = heap_range()
-            assert ("heap" if start <= block.data_ptr() < end else "mapped") == where, f"{tokens} tokens"
-            del block
-    finally:
-        policy.before_step(heap.LONG_STEP_TOKENS)  # what a process that never ran a short step would have
+    run = subprocess.run([sys.executable, "-c", PLACEMENT], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    long_, short = heap.LONG_STEP_TOKENS, 1
+    assert run.stdout.split("\n")[:4] == [f"{long_} mapped", f"{short} heap", "4096 mapped", "64 heap"], run.stdout
 
 
 def test_the_runner_sets_the_threshold_by_each_steps_tokens(tmp_path, monkeypatch):
