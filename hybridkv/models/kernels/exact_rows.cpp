@@ -7,8 +7,7 @@
 // w    [Nb][K][32] float32: columns n = 32 * nb + j, zero past N (`pack_columns`)
 // x    [R, K] float64, contiguous
 // out  [R, N] float64
-// One task per 32-column block; inside it, rows in groups of up to 4 (6 in exact_linear) while the block's K * 128
-// bytes stay cached.
+// One task per 32-column block; its sums, every row (and slice) against the block, are exact_sums.h's.
 //
 // `exact_linear` is `SplitWeight.__call__` in one call for float32 x: the split of x into slices, the integer sums
 // and the fixed combination, each the same float64 operation in the same order as the torch code, so the same
@@ -25,87 +24,11 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+#include "exact_sums.h"
 
 namespace {
 
-constexpr int64_t kCols = 32;
-constexpr int64_t kGroup = 6;  // exact_linear's rows per register block: 24 accumulators, 4 weight vectors
-
-#if defined(__AVX512F__)
-template <int R>
-void rows_block(const float* w, const double* x, int64_t k_size, double* acc_out) {
-  __m512d acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_pd();
-  for (int64_t k = 0; k < k_size; ++k) {
-    const float* wk = w + k * kCols;
-    __m512d wd[4];
-    for (int j = 0; j < 4; ++j) wd[j] = _mm512_cvtps_pd(_mm256_loadu_ps(wk + 8 * j));
-    for (int r = 0; r < R; ++r) {
-      const __m512d xr = _mm512_set1_pd(x[r * k_size + k]);
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_pd(xr, wd[j], acc[r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_pd(acc_out + r * kCols + 8 * j, acc[r][j]);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-// 16 ymm registers: the block's 32 columns go in two halves of 16 (4 vectors of 4 float64), rows P <= 2 at a time
-// (8 accumulators + 4 weight vectors + a broadcast). The sums are exact integers: FMA or not, any order, the same.
-template <int P>
-void half_block(const float* w, const double* x, int64_t k_size, int half, double* acc_out) {
-  __m256d acc[P][4];
-  for (int r = 0; r < P; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_pd();
-  for (int64_t k = 0; k < k_size; ++k) {
-    const float* wk = w + k * kCols + 16 * half;
-    __m256d wd[4];
-    for (int j = 0; j < 4; ++j) wd[j] = _mm256_cvtps_pd(_mm_loadu_ps(wk + 4 * j));
-    for (int r = 0; r < P; ++r) {
-      const __m256d xr = _mm256_broadcast_sd(x + r * k_size + k);
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_pd(xr, wd[j], acc[r][j]);
-    }
-  }
-  for (int r = 0; r < P; ++r)
-    for (int j = 0; j < 4; ++j) _mm256_storeu_pd(acc_out + r * kCols + 16 * half + 4 * j, acc[r][j]);
-}
-
-template <int R>
-void rows_block(const float* w, const double* x, int64_t k_size, double* acc_out) {
-  for (int half = 0; half < 2; ++half) {
-    int r = 0;
-    for (; r + 2 <= R; r += 2) half_block<2>(w, x + r * k_size, k_size, half, acc_out + r * kCols);
-    if (r < R) half_block<1>(w, x + r * k_size, k_size, half, acc_out + r * kCols);
-  }
-}
-#else
-template <int R>
-void rows_block(const float* w, const double* x, int64_t k_size, double* acc_out) {
-  double acc[R][kCols] = {};
-  for (int64_t k = 0; k < k_size; ++k) {
-    const float* wk = w + k * kCols;
-    for (int r = 0; r < R; ++r) {
-      const double xr = x[r * k_size + k];
-      for (int64_t j = 0; j < kCols; ++j) acc[r][j] += xr * static_cast<double>(wk[j]);
-    }
-  }
-  std::memcpy(acc_out, acc, sizeof(acc));
-}
-#endif
-
-void group(int64_t rows, const float* w, const double* x, int64_t k_size, double* acc) {
-  switch (rows) {
-    case 1: return rows_block<1>(w, x, k_size, acc);
-    case 2: return rows_block<2>(w, x, k_size, acc);
-    case 3: return rows_block<3>(w, x, k_size, acc);
-    case 4: return rows_block<4>(w, x, k_size, acc);
-    case 5: return rows_block<5>(w, x, k_size, acc);
-    default: return rows_block<6>(w, x, k_size, acc);
-  }
-}
+using exact_sums::kCols;
 
 // split_sum.pow2: 2^e as float64 from its bits, e clamped to the normal range.
 double pow2(int64_t e) {
@@ -125,21 +48,18 @@ int64_t row_exponent(const T* x, int64_t k_size) {
   return e;
 }
 
-// One 32-column block for rows [r0, r0 + rows) of x: the slices' integer sums, combined smallest slice first and
-// scaled, rounded once to float32 (split_sum.SplitWeight.__call__).
-void linear_block(const float* w, const double* parts, const int64_t* ex, const int64_t* wex, int64_t m_size,
-                  int64_t k_size, int64_t n, int64_t b, int64_t r0, int64_t rows, int64_t bits, int64_t slices,
-                  float* out) {
-  double acc[8][kGroup * kCols];  // [slice][row * 32 + column]
-  for (int64_t s = 0; s < slices; ++s) group(rows, w, parts + (s * m_size + r0) * k_size, k_size, acc[s]);
+// Rows [r0, r0 + rows) of one 32-column block from their slices' integer sums acc[s * rows + i][0:32]: combined
+// smallest slice first and scaled, rounded once to float32 (split_sum.SplitWeight.__call__).
+void combine_block(const double* const* acc, const int64_t* ex, const int64_t* wex, int64_t n, int64_t b, int64_t r0,
+                   int64_t rows, int64_t bits, int64_t slices, float* out) {
   const double down = std::ldexp(1.0, -static_cast<int>(bits));
   const int64_t cols = std::min(kCols, n - b * kCols);
   const int64_t* we = wex + b * kCols;
   for (int64_t i = 0; i < rows; ++i) {
     double total[kCols];
-    std::memcpy(total, acc[slices - 1] + i * kCols, sizeof(total));
+    std::memcpy(total, acc[(slices - 1) * rows + i], sizeof(total));
     for (int64_t s = slices - 2; s >= 0; --s) {
-      const double* a = acc[s] + i * kCols;
+      const double* a = acc[s * rows + i];
       for (int64_t j = 0; j < kCols; ++j) total[j] = a[j] + total[j] * down;
     }
     // total * 2^(e_row + e_column - bits - 24)
@@ -189,15 +109,23 @@ torch::Tensor exact_linear(const torch::Tensor& x, const torch::Tensor& w, const
   const float* wp = w.data_ptr<float>();
   const int64_t* wex = w_exponent.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  constexpr int64_t kChunk = 96;  // rows whose slices stay cached while every column block streams by
+  constexpr int64_t kChunk = 96;  // rows whose slices' sums stay cached while every column block streams by
   for (int64_t c0 = 0; c0 < m_size; c0 += kChunk) {
-    const int64_t c1 = std::min(m_size, c0 + kChunk);
+    const int64_t rows = std::min(m_size, c0 + kChunk) - c0, listed = slices * rows;
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        for (int64_t r0 = c0; r0 < c1; r0 += kGroup) {
-          linear_block(wp + b * k_size * kCols, parts.data(), ex.data(), wex, m_size, k_size, n, b, r0,
-                       std::min<int64_t>(kGroup, c1 - r0), bits, slices, op);
+      // The listed rows, slice-major: entry s * rows + i is slice s of row c0 + i.
+      std::vector<double> chunk(exact_sums::kDepth * kCols), sums(listed * kCols);
+      std::vector<const double*> x_rows(listed);
+      std::vector<double*> acc(listed);
+      for (int64_t s = 0; s < slices; ++s) {
+        for (int64_t i = 0; i < rows; ++i) {
+          x_rows[s * rows + i] = parts.data() + (s * m_size + c0 + i) * k_size;
+          acc[s * rows + i] = sums.data() + (s * rows + i) * kCols;
         }
+      }
+      for (int64_t b = b0; b < b1; ++b) {
+        exact_sums::block_sums(wp + b * k_size * kCols, k_size, x_rows.data(), acc.data(), listed, chunk.data());
+        combine_block(acc.data(), ex.data(), wex, n, b, c0, rows, bits, slices, op);
       }
     });
   }
@@ -253,14 +181,17 @@ torch::Tensor exact_rows(const torch::Tensor& x, const torch::Tensor& w, int64_t
   const double* xp = x.data_ptr<double>();
   double* op = out.data_ptr<double>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    double acc[4 * kCols];
+    std::vector<double> chunk(exact_sums::kDepth * kCols), sums(rows * kCols);
+    std::vector<const double*> x_rows(rows);
+    std::vector<double*> acc(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      x_rows[r] = xp + r * k_size;
+      acc[r] = sums.data() + r * kCols;
+    }
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t cols = std::min(kCols, n - b * kCols);
-      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const int64_t r = std::min<int64_t>(4, rows - r0);
-        group(r, wp + b * k_size * kCols, xp + r0 * k_size, k_size, acc);
-        for (int64_t i = 0; i < r; ++i) std::memcpy(op + (r0 + i) * n + b * kCols, acc + i * kCols, cols * 8);
-      }
+      exact_sums::block_sums(wp + b * k_size * kCols, k_size, x_rows.data(), acc.data(), rows, chunk.data());
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(op + r * n + b * kCols, acc[r], cols * sizeof(double));
     }
   });
   return out;
