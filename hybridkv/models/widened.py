@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from hybridkv.models.buffers import BufferCache
 from hybridkv.native import load_kernel
 
 SOURCE = Path(__file__).parent / "kernels" / "widened_rows.cpp"
@@ -70,20 +71,15 @@ class WidenedWeight:
 
 
 class Scratch(threading.local):
-    """float32 buffers that the matmul path reuses from call to call, one set per thread, each grown to the
-    largest size asked (Qwen3-0.6B's shape: 16 + 3 + 4 MiB). Allocated afresh, they were a 2048-token prefill
-    step's largest temporaries, faulted in page by page on every call."""
+    """The matmul path's float32 buffers (`models/buffers.py`), one set per thread (Qwen3-0.6B's shape: 16 + 3 + 4
+    MiB). Allocated afresh, they were a 2048-token prefill step's largest temporaries, faulted in on every call."""
 
     def __init__(self) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}
+        self.cache = BufferCache()
 
     def take(self, name: str, rows: int, cols: int, device: torch.device) -> torch.Tensor:
         """A [rows, cols] float32 view of buffer `name`, its contents undefined."""
-        buffer = self.buffers.get(name)
-        if buffer is None or buffer.numel() < rows * cols or buffer.device != device:
-            with torch.inference_mode(False):  # a plain tensor: writable in and outside inference mode
-                buffer = self.buffers[name] = torch.empty(rows * cols, dtype=torch.float32, device=device)
-        return buffer[: rows * cols].view(rows, cols)
+        return self.cache.get(name, (rows, cols), torch.float32, device)
 
 
 SCRATCH = Scratch()

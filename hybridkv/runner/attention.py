@@ -15,13 +15,13 @@ step that is not exact then attends in two mask-free calls instead of masked til
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from hybridkv.models.buffers import BufferCache
 from hybridkv.runner.attention_masks import Tile, run_tiles
 from hybridkv.runner.flash import attend, attend_with_lse, prefix_and_causal, with_sinks
 from hybridkv.runner.step_index import DECODE, PADDED, TILED, IndexPack, Run, StepIndex
@@ -111,25 +111,12 @@ class GroupMetadata:
         return GroupMetadata(step.pack, step.pack.add(block_ids), step.pack.add(offsets), runs, window)
 
 
-class Workspace:
-    """Gather buffers kept across steps, one per (KV cache, run). A fresh multi-MB tensor every step costs page
-    faults on each of its pages (large allocations are mmapped and unmapped again); reusing one buffer does not.
-    Buffers over `max_bytes` are not kept."""
+class Workspace(BufferCache):
+    """Gather buffers kept across steps, one per (KV cache, run), with headroom for contexts that grow by a token a
+    step; buffers over `max_bytes` are not kept (`models/buffers.py`)."""
 
     def __init__(self, max_bytes: int = 256 << 20) -> None:
-        self.max_bytes = max_bytes
-        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
-
-    def get(
-        self, key: tuple[int, int], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        need = math.prod(shape)
-        buf = self.buffers.get(key)
-        if buf is None or buf.numel() < need or buf.dtype != dtype or buf.device != device:
-            buf = torch.empty(need + need // 2, dtype=dtype, device=device)  # headroom: contexts grow by a token
-            if buf.numel() * buf.element_size() <= self.max_bytes:
-                self.buffers[key] = buf
-        return buf[:need].view(shape)
+        super().__init__(max_bytes, headroom=1.5)
 
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [B, Hk, Lk, D]
