@@ -36,30 +36,42 @@ PROMPT, NEW, BATCH = 128, 64, 16
 
 
 def matmul_peak() -> float:
-    """FLOP/s of this process's best bf16 matmul: oneDNN, a 512-row input on a packed [8192, 1024] weight, best of
-    five (the arithmetic bound of a batched decode step, whose projections compute 2 x params FLOP per row)."""
+    """FLOP/s of this process's best bf16 matmul, the way the engine runs one here: oneDNN on a packed [8192, 1024]
+    weight, or on a CPU oneDNN packs no bfloat16 for (AVX2) the weight widened to float32 (`widened.py`); a 512-row
+    input, best of five (the arithmetic bound of a batched decode step: 2 x params FLOP per row)."""
     from hybridkv.models.packed_rows import PackedWeight
+    from hybridkv.models.widened import WidenedWeight, widening_wanted
 
-    weight = PackedWeight(torch.randn(8192, 1024).bfloat16())
+    weight = torch.randn(8192, 1024).bfloat16()
+    if widening_wanted(torch.device("cpu"), torch.bfloat16):
+        widened = WidenedWeight(weight)
+        run = lambda x: widened(x, None)  # noqa: E731
+    else:
+        packed = PackedWeight(weight)
+        run = lambda x: packed.onednn(x, None)  # noqa: E731
     x = torch.randn(512, 1024).bfloat16()
-    weight.onednn(x, None)
+    run(x)
     best = float("inf")
     for _ in range(5):
         t = time.perf_counter()
-        weight.onednn(x, None)
+        run(x)
         best = min(best, time.perf_counter() - t)
     return 2 * 512 * 8192 * 1024 / best
 
 
 def step_bytes(model: torch.nn.Module) -> int:
-    """The weight bytes a decode step reads: every packed projection (`layout_bytes`), the tied head included."""
-    from hybridkv.models.packed_rows import layout_bytes
+    """The weight bytes a decode step reads: every projection (the tied head included) in the layout it is read
+    in, oneDNN's packed one (`layout_bytes`) or the checkpoint's own bf16 rows (`WidenedWeight`)."""
+    from hybridkv.models.packed_rows import PackedWeight, layout_bytes
     from hybridkv.serve.startup import linear_readers
 
     readers = linear_readers(model)
     if not readers:
-        raise SystemExit("the model's projections are not packed (bfloat16 on a CPU oneDNN packs for): no bound")
-    return sum(layout_bytes(r.out_features, r.in_features) for r in readers)
+        raise SystemExit("the model's projections are neither packed nor widened (bfloat16 here?): no bound")
+    return sum(
+        layout_bytes(r.out_features, r.in_features) if isinstance(r, PackedWeight) else r.weight.numel() * 2
+        for r in readers
+    )
 
 
 class Ours:
