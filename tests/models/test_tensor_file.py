@@ -8,6 +8,7 @@ import json
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -122,4 +123,25 @@ def test_a_file_cut_short_after_its_header_was_read_is_refused_naming_the_tensor
         first = min(stored.values(), key=lambda s: s.start)
         read_into(f, first, torch.empty(first.shape))  # whole: before the cut
         with pytest.raises(ValueError, match=f"{last.name}: the file ended inside its bytes"):
-            read_into(f, last, torch.empty(last.shape))
+            returning(lambda: read_into(f, last, torch.empty(last.shape)))
+
+
+def returning(call, seconds: float = 20.0):
+    """call() in a thread: its result or its exception, or a failure when it has not returned within `seconds` (a
+    read that loops on a short file would otherwise hang the suite rather than fail it)."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = call()
+        except BaseException as e:  # re-raised in the caller's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"no return within {seconds} s")
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
