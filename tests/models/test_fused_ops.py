@@ -19,7 +19,7 @@ def ops():
 
 
 @pytest.mark.parametrize("act", list(ACT_CODES))
-@pytest.mark.parametrize("width", [200, 2048, 7], ids=["tail", "vectors", "scalar-only"])
+@pytest.mark.parametrize("width", [203, 2048, 7], ids=["tail", "vectors", "scalar-only"])
 def test_act_and_mul(ops, act, width):
     x = torch.randn(37, 2 * width, generator=torch.Generator().manual_seed(width)) * 4
     gate, up = x.double().split(width, -1)
@@ -89,3 +89,14 @@ def test_row_argmax_refuses_what_it_cannot_read(ops):
         ops.row_argmax(torch.randn(2, 4).double())
     with pytest.raises(RuntimeError, match="1 to 2"):
         ops.row_argmax(torch.randn(2, 0))
+
+
+@pytest.mark.parametrize("act", list(ACT_CODES))
+def test_bfloat16_rows_are_the_float32_rows_rounded_once(ops, act):
+    """A bfloat16 row is computed in float32 from the same values and rounded once, to nearest even: its bits are
+    the float32 kernel's output rounded by torch (the vector store's rounding and lane order, and the tail's)."""
+    x = (torch.randn(5, 2 * 203, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
+    want = ops.act_and_mul(x.float(), ACT_CODES[act]).bfloat16()
+    assert torch.equal(ops.act_and_mul(x, ACT_CODES[act]), want)
+    w = torch.randn(203)
+    assert torch.equal(ops.rms_norm(x[:, :203], w, 1e-6), ops.rms_norm(x[:, :203].float(), w, 1e-6).bfloat16())

@@ -12,6 +12,7 @@
 
 #include <cmath>
 
+#include "lanes.h"
 #include "simd.h"
 
 namespace {
@@ -24,15 +25,13 @@ inline float act_scalar(float g, int64_t act) {
   return g / (1.f + std::exp(-2.f * u));
 }
 
-#if defined(__AVX512F__)
-
-inline __m512 act16(__m512 g, int64_t act) {
-  const __m512 one = _mm512_set1_ps(1.f);
-  if (act == kSilu) return silu16(g);
+#if defined(HYBRIDKV_LANES)
+inline lanes::V act_lanes(lanes::V g, int64_t act) {
+  using namespace lanes;
+  if (act == kSilu) return silu(g);
   // 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)): no cancellation where tanh(u) nears -1
-  const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
-  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
-  return _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_mul_ps(_mm512_set1_ps(-2.f), u))));
+  const V u = mul(splat(0.7978845608028654f), fmadd(splat(0.044715f), mul(mul(g, g), g), g));
+  return div(g, add(splat(1.f), exp(mul(splat(-2.f), u))));
 }
 #endif
 
@@ -43,8 +42,9 @@ void act_and_mul_rows(const T* x, T* out, int64_t r0, int64_t r1, int64_t inter,
     const T* u = g + inter;
     T* o = out + r * inter;
     int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= inter; i += 16) store16(o + i, _mm512_mul_ps(act16(load16(g + i), act), load16(u + i)));
+#if defined(HYBRIDKV_LANES)
+    for (; i + lanes::kWidth <= inter; i += lanes::kWidth)
+      lanes::store(o + i, lanes::mul(act_lanes(lanes::load(g + i), act), lanes::load(u + i)));
 #endif
     for (; i < inter; ++i) o[i] = static_cast<T>(act_scalar(static_cast<float>(g[i]), act) * static_cast<float>(u[i]));
   }
@@ -58,20 +58,21 @@ void rms_norm_rows(const T* x, const float* w, T* out, int64_t r0, int64_t r1, i
     T* o = out + r * d;
     float ss = 0.f;
     int64_t i = 0;
-#if defined(__AVX512F__)
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= d; i += 16) {
-      const __m512 v = load16(xr + i);
-      acc = _mm512_fmadd_ps(v, v, acc);
+#if defined(HYBRIDKV_LANES)
+    lanes::V acc = lanes::zero();
+    for (; i + lanes::kWidth <= d; i += lanes::kWidth) {
+      const lanes::V v = lanes::load(xr + i);
+      acc = lanes::fmadd(v, v, acc);
     }
-    ss = _mm512_reduce_add_ps(acc);
+    ss = lanes::sum(acc);
 #endif
     for (; i < d; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
     i = 0;
-#if defined(__AVX512F__)
-    const __m512 vinv = _mm512_set1_ps(inv);
-    for (; i + 16 <= d; i += 16) store16(o + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), vinv), _mm512_loadu_ps(w + i)));
+#if defined(HYBRIDKV_LANES)
+    const lanes::V vinv = lanes::splat(inv);
+    for (; i + lanes::kWidth <= d; i += lanes::kWidth)
+      lanes::store(o + i, lanes::mul(lanes::mul(lanes::load(xr + i), vinv), lanes::load(w + i)));
 #endif
     for (; i < d; ++i) o[i] = static_cast<T>(static_cast<float>(xr[i]) * inv * w[i]);
   }

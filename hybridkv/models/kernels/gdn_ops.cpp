@@ -19,7 +19,7 @@
 #include <cstring>
 #include <vector>
 
-#include "simd.h"
+#include "lanes.h"
 
 namespace {
 
@@ -31,20 +31,21 @@ inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 template <typename T>
 void silu_row(const T* x, float* out, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, silu16(load16(x + i)));
+#if defined(HYBRIDKV_LANES)
+  for (; i + lanes::kWidth <= n; i += lanes::kWidth) lanes::store(out + i, lanes::silu(lanes::load(x + i)));
 #endif
   for (; i < n; ++i) out[i] = silu(static_cast<float>(x[i]));
 }
 
-// sum of x^2 over n float32 values: 16 lane sums in index order, then the lanes (a fixed order for a given n).
+// sum of x^2 over n float32 values: lane sums in index order, then the lanes (a fixed order for a given n and
+// vector width).
 inline float square_sum(const float* x, int64_t n) {
   float ss = 0.f;
   int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(x + i), acc);
-  ss = _mm512_reduce_add_ps(acc);
+#if defined(HYBRIDKV_LANES)
+  lanes::V acc = lanes::zero();
+  for (; i + lanes::kWidth <= n; i += lanes::kWidth) acc = lanes::fmadd(lanes::load(x + i), lanes::load(x + i), acc);
+  ss = lanes::sum(acc);
 #endif
   for (; i < n; ++i) ss += x[i] * x[i];
   return ss;
@@ -53,8 +54,8 @@ inline float square_sum(const float* x, int64_t n) {
 // out = x * s for n float32 values.
 inline void scale_row(const float* x, float s, float* out, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(s)));
+#if defined(HYBRIDKV_LANES)
+  for (; i + lanes::kWidth <= n; i += lanes::kWidth) lanes::store(out + i, lanes::mul(lanes::load(x + i), lanes::splat(s)));
 #endif
   for (; i < n; ++i) out[i] = x[i] * s;
 }
@@ -163,11 +164,11 @@ void gated_norm_rows(const T* o, const Z* z, int64_t z_stride, const float* w, T
       for (int64_t i = 0; i < dv; ++i) row[i] = static_cast<float>(oh[i]);
       const float inv = 1.f / std::sqrt(square_sum(row, dv) / static_cast<float>(dv) + eps);
       int64_t i = 0;
-#if defined(__AVX512F__)
-      const __m512 vinv = _mm512_set1_ps(inv);
-      for (; i + 16 <= dv; i += 16) {
-        const __m512 normed = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row + i), vinv), _mm512_loadu_ps(w + i));
-        store16(dst + i, _mm512_mul_ps(normed, _mm512_loadu_ps(zh + i)));
+#if defined(HYBRIDKV_LANES)
+      const lanes::V vinv = lanes::splat(inv);
+      for (; i + lanes::kWidth <= dv; i += lanes::kWidth) {
+        const lanes::V normed = lanes::mul(lanes::mul(lanes::load(row + i), vinv), lanes::load(w + i));
+        lanes::store(dst + i, lanes::mul(normed, lanes::load(zh + i)));
       }
 #endif
       for (; i < dv; ++i) dst[i] = static_cast<T>(row[i] * inv * w[i] * zh[i]);
