@@ -1,5 +1,5 @@
-"""Fused elementwise kernels for packable (dense) models on CPU: `act(gate) * up` over a fused gate/up output and
-RMSNorm in one pass each (`models/kernels/fused_ops.cpp`, built on first use by `hybridkv.native.load_kernel`).
+"""Fused elementwise kernels for packable (dense) models on CPU: `act(gate) * up` over a fused gate/up output,
+RMSNorm and RoPE in one pass each (`models/kernels/fused_ops.cpp`, built on first use by `hybridkv.native.load_kernel`).
 Modules opt in with a `use_fused_ops(ops)` method, which `use_fused_ops` calls once after the weights are packed;
 without the kernel (HYBRIDKV_KERNELS=torch, no compiler) they keep their plain-torch forward."""
 
@@ -18,7 +18,7 @@ ACT_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}  # the kernel's activations, by 
 
 
 def fused_ops() -> object | None:
-    """The compiled module (`act_and_mul`, `rms_norm`), or None."""
+    """The compiled module (`act_and_mul`, `rms_norm`, `rope`), or None."""
     return load_kernel(SOURCE)
 
 
@@ -48,3 +48,29 @@ def norm_kernel(
         return fallback(x)
 
     return norm
+
+
+def rope_kernel(
+    ops: object, fallback: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(x [n, h, d], cos, sin [n, 1, d]) -> RoPE of every head through the kernel, whose bits are `fallback`'s
+    (`rope.apply_rope`) in float32 and bfloat16; `fallback` itself where `ops` has no `rope` (the exact ops) or the
+    kernel does not take the inputs."""
+    kernel = getattr(ops, "rope", None)
+    if kernel is None:
+        return fallback
+
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dim() == 3
+            and x.stride(-1) == 1
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and cos.dtype == sin.dtype == x.dtype
+            and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2])
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+        ):
+            return kernel(x, cos, sin)
+        return fallback(x, cos, sin)
+
+    return rope

@@ -16,7 +16,7 @@ from hybridkv.kv.model_kv import MODEL_READERS
 from hybridkv.models.base import AttentionFn, CausalLM, RecurrentStates, embedding
 from hybridkv.models.batch_invariant import ACTIVATIONS as EXACT_ACTIVATIONS
 from hybridkv.models.fuse import FusedLinear
-from hybridkv.models.fused import ACT_CODES, norm_kernel
+from hybridkv.models.fused import ACT_CODES, norm_kernel, rope_kernel
 from hybridkv.models.linear import PACKED_DTYPES, Linear, output_logits
 from hybridkv.models.norm import norm_constants, scaled_rms_norm
 from hybridkv.models.rope import Rotary, apply_rope, rope_parameters
@@ -62,6 +62,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, cfg["rms_norm_eps"]) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg["rms_norm_eps"]) if qk_norm else None
         self.qkv: FusedLinear | None = None
+        self.rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rope
+
+    def use_fused_ops(self, ops: object) -> None:
+        self.rope = rope_kernel(ops, apply_rope)
 
     def forward(
         self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
@@ -71,7 +75,7 @@ class Attention(nn.Module):
         q, k, v = (t.view(n, -1, hd) for t in qkv)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = attn(layer, apply_rope(q, cos, sin), torch.stack((apply_rope(k, cos, sin), v), 1), self.scale)
+        out = attn(layer, self.rope(q, cos, sin), torch.stack((self.rope(k, cos, sin), v), 1), self.scale)
         return self.o_proj(out.reshape(n, -1))
 
 

@@ -19,6 +19,7 @@ from hybridkv.kv.model_kv import load_hf_config
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.loader import resolve_dtype
 from hybridkv.models.packed_rows import PackedWeight
+from hybridkv.models.rope import apply_rope
 from hybridkv.models.widened import ROWS_LIMIT, WidenedWeight
 from hybridkv.native import KERNELS_ENV, native_enabled
 from hybridkv.runner.states import steps_in_place
@@ -102,11 +103,12 @@ def state_steps(engine: LLMEngine) -> str:
 
 
 def fused_ops_used(model: nn.Module) -> dict[str, int]:
-    """How many modules run each fused kernel (`models/fused.py`): RMSNorms and gated MLPs."""
+    """How many modules run each fused kernel (`models/fused.py`): RMSNorms, gated MLPs and attentions' RoPE."""
     hooked = [m for m in model.modules() if hasattr(m, "use_fused_ops")]
     used = {
         "rms_norm": sum(getattr(m, "kernel", None) is not None for m in hooked),
         "act_and_mul": sum(getattr(m, "act_and_mul", None) is not None for m in hooked),
+        "rope": sum(getattr(m, "rope", apply_rope) is not apply_rope for m in hooked),
     }
     return {name: n for name, n in used.items() if n}
 

@@ -100,3 +100,28 @@ def test_bfloat16_rows_are_the_float32_rows_rounded_once(ops, act):
     assert torch.equal(ops.act_and_mul(x, ACT_CODES[act]), want)
     w = torch.randn(203)
     assert torch.equal(ops.rms_norm(x[:, :203], w, 1e-6), ops.rms_norm(x[:, :203].float(), w, 1e-6).bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_apply_rope_bit_for_bit(ops, dtype):
+    """The kernel's RoPE equals `rope.apply_rope` bit for bit (the same three roundings in bfloat16), for heads
+    viewed out of a fused projection (strided rows and heads) and for contiguous ones, at real positions."""
+    from hybridkv.models.rope import Rotary, apply_rope
+
+    tables = Rotary({"rope_type": "default", "rope_theta": 10_000.0}, 128)(torch.arange(3000, 3009), dtype)
+    g = torch.Generator().manual_seed(5)
+    fused = (torch.randn(9, 6 * 128 + 40, generator=g) * 3).to(dtype)
+    strided = fused[:, 40 : 40 + 4 * 128].view(9, 4, 128)  # row stride 808
+    for x in (strided, strided.contiguous(), fused[:, 40 + 4 * 128 :].view(9, 2, 128)):
+        got = ops.rope(x, tables.cos, tables.sin)
+        assert got.is_contiguous() and torch.equal(got, apply_rope(x, tables.cos, tables.sin))
+
+
+def test_rope_refuses_what_it_does_not_handle(ops):
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(RuntimeError, match="d even"):
+        ops.rope(torch.randn(2, 3, 7), torch.randn(2, 1, 7), torch.randn(2, 1, 7))
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        ops.rope(x, torch.randn(2, 1, 8).bfloat16(), torch.randn(2, 1, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        ops.rope(x, torch.randn(1, 1, 8), torch.randn(1, 1, 8))

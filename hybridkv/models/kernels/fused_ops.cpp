@@ -3,6 +3,9 @@
 //   act_and_mul(x [n, 2I]) -> [n, I]: act(x[:, :I]) * x[:, I:], act = silu or GELU (tanh approximation);
 //   rms_norm(x [n, d] or [n, h, d], w [d] float32, eps) -> x / sqrt(mean(x^2) + eps) * w per row of d (w holds
 //   any 1 + offset), contiguous out; x's rows may be strided (q and k heads viewed out of a fused projection);
+//   rope(x [n, h, d] (d contiguous; rows and heads may be strided), cos, sin [n, 1, d] in x's dtype) -> contiguous
+//   [n, h, d]: x * cos + roll(x, d / 2) * sin, rounded to x's dtype after each product and after the sum as torch
+//   rounds those three ops, so its bits are `rope.apply_rope`'s (`sin` holds -sin, sin as `RopeTables` does);
 //   row_argmax(x [n, v]) -> int64 [n]: torch.argmax's answer per row (the first largest value; a row holding NaN
 //   gives its first NaN), read in place from bfloat16 rows (no float32 copy of the logits).
 // Rows are independent: a row's bits do not depend on the rows beside it or on the thread count.
@@ -119,6 +122,46 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return out;
 }
 
+// out[i] = T(T(x[i] * cos[i]) + T(x[i +- d/2] * sin[i])): the product of two bfloat16 values is exact in float32,
+// so each T(...) is the one rounding torch's bfloat16 op makes; in float32 every T(...) is a no-op, and the sum
+// must not become a fused multiply-add (g++ contracts C++ by default): torch rounds each product first.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t r0, int64_t r1, int64_t heads, int64_t d,
+               int64_t s0, int64_t s1) {
+  const int64_t half = d / 2;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t n = r / heads;
+    const T* xr = x + n * s0 + (r % heads) * s1;
+    const T *c = cos + n * d, *s = sin + n * d;
+    T* o = out + r * d;
+    for (int64_t i = 0; i < d; ++i) {
+      const T straight = static_cast<T>(static_cast<float>(xr[i]) * static_cast<float>(c[i]));
+      const T turned = static_cast<T>(static_cast<float>(xr[i < half ? i + half : i - half]) * static_cast<float>(s[i]));
+      o[i] = static_cast<T>(static_cast<float>(straight) + static_cast<float>(turned));
+    }
+  }
+}
+
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "x must be [n, h, d], d even and contiguous");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  const int64_t n = x.size(0), heads = x.size(1), d = x.size(2);
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == n && t->size(1) == 1 && t->size(2) == d && t->is_contiguous() &&
+                    t->scalar_type() == x.scalar_type(),
+                "cos and sin must be contiguous [n, 1, d] in x's dtype");
+  auto out = torch::empty({n, heads, d}, x.options());
+  at::parallel_for(0, n * heads, 16, [&](int64_t r0, int64_t r1) {
+    if (x.scalar_type() == at::kBFloat16)
+      rope_rows(x.data_ptr<c10::BFloat16>(), cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(),
+                out.data_ptr<c10::BFloat16>(), r0, r1, heads, d, x.stride(0), x.stride(1));
+    else
+      rope_rows(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), out.data_ptr<float>(), r0, r1,
+                heads, d, x.stride(0), x.stride(1));
+  });
+  return out;
+}
+
 template <typename T>
 int64_t argmax_row(const T* x, int64_t v) {
   int64_t i = 0, best_i = 0;
@@ -176,5 +219,6 @@ torch::Tensor row_argmax(const torch::Tensor& x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("act_and_mul", &act_and_mul, "act(gate) * up over [n, 2I] -> [n, I] (0 silu, 1 gelu_tanh)");
   m.def("rms_norm", &rms_norm, "x / rms(x) * weight per row, float32 inside");
+  m.def("rope", &rope, "x * cos + roll(x, d / 2) * sin per head, torch's roundings");
   m.def("row_argmax", &row_argmax, "torch.argmax(x, dim=1) of [n, v] rows, bfloat16 read in place");
 }
