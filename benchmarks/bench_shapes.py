@@ -97,6 +97,9 @@ class Worker:
         # OMP_NUM_THREADS, like the other engines.
         env = os.environ | {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
         env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        # A 4k prompt is one vLLM step; on an AVX2 CPU it outlasts the 300 s vLLM allows a step by default (its
+        # engine then dies with "RPC call to execute_model timed out").
+        env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200")
         args = [python, str(HERE / "shape_worker.py"), engine, str(folder), dtype, str(threads), str(max_len)]
         self.engine = engine
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -130,13 +133,21 @@ def measure(workers: list[Worker], contexts: list[int], repeats: int) -> dict:
     tokens: dict[str, dict[str, list]] = {w.engine: {} for w in workers}
     rss: dict[str, float] = {}
     gpu: dict[str, float] = {}
+    dead: set[str] = set()
     cases = [("batched", BATCH, BATCH_IN, OUT), ("single", 1, BATCH_IN, OUT)]
     cases += [(f"stream {c}", 1, c, 1 + ITL_TOKENS) for c in contexts]
     for rep in range(repeats):
         for case_no, (name, n, length, out) in enumerate(cases):
             batch = prompts(1000 * rep + case_no, n, length)
             for w in workers:  # alternate: a noisy moment on a shared machine hits every engine
-                r = w.run(batch, out, stream=name.startswith("stream"))
+                if w.engine in dead:
+                    continue
+                try:
+                    r = w.run(batch, out, stream=name.startswith("stream"))
+                except RuntimeError as e:  # its cells stay empty; the other engines go on
+                    print(f"  {w.engine}: {e} during {name}; its remaining cases are skipped", file=sys.stderr)
+                    dead.add(w.engine)
+                    continue
                 if "first_token_s" in r:
                     itl = (r["seconds"] - r["first_token_s"]) / ITL_TOKENS
                     best[w.engine][f"ttft {length}"] = min(
@@ -152,6 +163,14 @@ def measure(workers: list[Worker], contexts: list[int], repeats: int) -> dict:
     return {"best": best, "tokens": tokens, "rss": rss, "gpu": gpu}
 
 
+def _cell(fn, best: dict[str, float]) -> float | None:
+    """A table cell, or None where the engine's worker died before the case ran."""
+    try:
+        return fn(best)
+    except KeyError:
+        return None
+
+
 def report(shape: str, dtype: str, res: dict, contexts: list[int], bound_ms: dict[int, float]) -> None:
     best, tokens = res["best"], res["tokens"]
     engines = list(best)
@@ -165,17 +184,20 @@ def report(shape: str, dtype: str, res: dict, contexts: list[int], bound_ms: dic
     head += "".join(f"{'hkv/' + short.get(e, e):>14}" for e in engines[1:])
     print(f"\n## {shape} {dtype}\n{head}")
     for label, fn, higher in rows:
-        vals = [fn(best[e]) for e in engines]
-        ratios = [(vals[0] / v if higher else v / vals[0]) for v in vals[1:]]  # > 1: hybridkv better
-        print(f"{label:<16}" + "".join(f"{v:>14.2f}" for v in vals) + "".join(f"{r:>13.2f}x" for r in ratios))
-    print(f"{'peak RSS MiB':<16}" + "".join(f"{res['rss'][e]:>14.0f}" for e in engines))
+        vals = [_cell(fn, best[e]) for e in engines]
+        ratios = [None if v is None or vals[0] is None else vals[0] / v if higher else v / vals[0] for v in vals[1:]]
+        print(f"{label:<16}" + "".join("  worker died" if v is None else f"{v:>14.2f}" for v in vals)
+              + "".join(f"{'-':>14}" if r is None else f"{r:>13.2f}x" for r in ratios))  # fmt: skip
+    print(f"{'peak RSS MiB':<16}" + "".join(f"{res['rss'].get(e, 0):>14.0f}" for e in engines))
     if res["gpu"]:
         print(f"{'peak GPU MiB':<16}" + "".join(f"{res['gpu'].get(e, 0):>14.0f}" for e in engines))
     for c, bound in bound_ms.items():  # the weights and KV one step reads, at the measured read bandwidth
-        shares = "".join(f"{bound / (1e3 * best[e][f'itl {c}']):>14.0%}" for e in engines)
+        shares = "".join(
+            f"{bound / (1e3 * best[e][f'itl {c}']):>14.0%}" if f"itl {c}" in best[e] else f"{'-':>14}" for e in engines
+        )
         print(f"{f'ITL {c} / bound':<16}{shares}   (bound {bound:.2f} ms)")
     seqs = tokens[engines[0]]["batched"]
-    engines = [e for e in engines if tokens[e]["batched"][0]]  # llama.cpp's tools return timings only
+    engines = [e for e in engines if tokens[e].get("batched", [[]])[0]]  # llama.cpp's tools return timings only
     print(f"distinct tokens per sequence (batched, hybridkv): {sum(len(set(s)) for s in seqs) / len(seqs):.1f}/{OUT}")
     if dtype == "float32":
         for e in engines[1:]:
