@@ -8,7 +8,8 @@
 //   rounds those three ops, so its bits are `rope.apply_rope`'s (`sin` holds -sin, sin as `RopeTables` does);
 //   row_argmax(x [n, v]) -> int64 [n]: torch.argmax's answer per row (the first largest value; a row holding NaN
 //   gives its first NaN), read in place from bfloat16 rows (no float32 copy of the logits).
-// Rows are independent: a row's bits do not depend on the rows beside it or on the thread count.
+// Rows are independent: a row's bits do not depend on the rows beside it or on the thread count. The vector loops
+// run at `lanes.h`'s width (16 lanes with AVX-512, 8 with AVX2), a scalar loop after them for the tail.
 #include "torch_api.h"
 
 #include <ATen/Parallel.h>
@@ -188,6 +189,31 @@ int64_t argmax_row(const T* x, int64_t v) {
     best = _mm512_reduce_max_ps(lane_max);
     const __mmask16 at_best = _mm512_cmp_ps_mask(lane_max, _mm512_set1_ps(best), _CMP_EQ_OQ);
     best_i = _mm512_mask_reduce_min_epi32(at_best, lane_idx);
+  }
+#elif defined(HYBRIDKV_LANES)
+  if (v >= 8) {  // the AVX-512 walk on 8 lanes, with blends for its masks
+    __m256 lane_max = lanes::load(x);
+    __m256i lane_idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i idx = lane_idx;
+    const __m256i step = _mm256_set1_epi32(8);
+    __m256 unordered = _mm256_cmp_ps(lane_max, lane_max, _CMP_UNORD_Q);
+    for (i = 8; i + 8 <= v; i += 8) {
+      idx = _mm256_add_epi32(idx, step);
+      const __m256 y = lanes::load(x + i);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+      const __m256 gt = _mm256_cmp_ps(y, lane_max, _CMP_GT_OQ);
+      lane_max = _mm256_blendv_ps(lane_max, y, gt);
+      lane_idx = _mm256_blendv_epi8(lane_idx, idx, _mm256_castps_si256(gt));
+    }
+    nan = _mm256_movemask_ps(unordered) != 0;
+    best = reduce_max8(lane_max);
+    alignas(32) float maxes[8];
+    alignas(32) int32_t where[8];
+    _mm256_store_ps(maxes, lane_max);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(where), lane_idx);
+    best_i = v;
+    for (int l = 0; l < 8; ++l)
+      if (maxes[l] == best) best_i = std::min<int64_t>(best_i, where[l]);
   }
 #endif
   for (; i < v && !nan; ++i) {
