@@ -46,7 +46,7 @@ class FusedLinear:
                 start += n
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.fused(x).split(self.sizes, dim=-1)
+        return self.fused(x).split_with_sizes(self.sizes, dim=-1)  # not Tensor.split's Python wrapper: per layer
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         """All outputs side by side: [..., sum of out_features]."""

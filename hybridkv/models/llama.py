@@ -74,9 +74,9 @@ class Attention(nn.Module):
         qkv = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q, k, v = (t.view(n, -1, hd) for t in qkv)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)  # .forward: no module hooks per decode step
         out = attn(layer, self.rope(q, cos, sin), torch.stack((self.rope(k, cos, sin), v), 1), self.scale)
-        return self.o_proj(out.reshape(n, -1))
+        return self.o_proj.forward(out.reshape(n, -1))
 
 
 class MLP(nn.Module):
@@ -103,7 +103,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_and_mul is not None:
-            return self.down_proj(self.act_and_mul(self.gate_up.fused(x)))
+            return self.down_proj.forward(self.act_and_mul(self.gate_up.fused(x)))
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
         return self.down_proj(self.act(gate) * up)
 

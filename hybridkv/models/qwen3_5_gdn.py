@@ -93,7 +93,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, layer: int, x: torch.Tensor, positions: torch.Tensor, states: RecurrentStates) -> torch.Tensor:
         n, hv = x.shape[0], self.num_v_heads
         if self.in_proj is not None:
-            qkv, z, b, a = project_fused(self.in_proj, x).split(self.in_proj.sizes, -1)
+            qkv, z, b, a = project_fused(self.in_proj, x).split_with_sizes(self.in_proj.sizes, -1)
         else:
             qkv, z, b, a = (project(p, x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
         taps, decay_rate, dt_bias = self.constants()
