@@ -22,6 +22,7 @@ from hybridkv.models.packed_rows import PackedWeight
 from hybridkv.models.rope import apply_rope
 from hybridkv.models.widened import ROWS_LIMIT, WidenedWeight
 from hybridkv.native import KERNELS_ENV, native_enabled
+from hybridkv.runner import kernels
 from hybridkv.runner.states import steps_in_place
 from hybridkv.units import format_bytes
 from hybridkv.version import __version__
@@ -127,7 +128,7 @@ def kernel_lines(engine: LLMEngine) -> list[str]:
     else:
         decode = "torch (the native kernel did not build: see the warning above, or the model and KV dtypes differ)"
     if runner.prefill_kernel is not None:
-        prefill = "native bf16"
+        prefill = f"native bf16 ({kernels.prefill_path()})"
     elif not bf16:
         prefill = f"torch (the native kernel is bfloat16; the model is {engine.config.dtype})"
     elif runner.decode_kernel is None:

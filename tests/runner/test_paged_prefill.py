@@ -6,6 +6,7 @@ The kernel builds everywhere; it says itself whether this CPU runs it (`supporte
 machine's instruction set), which is what `kernels.paged_prefill()` and so the engine go by. Where it does not,
 these tests skip and the engine's torch prefill path is checked by tests/engine/test_prefill_kernel.py."""
 
+import functools
 import itertools
 
 import pytest
@@ -25,13 +26,17 @@ def module():
     return built
 
 
-@pytest.fixture(scope="module")
-def prefill(module):
+@pytest.fixture(scope="module", params=["vector", "tiles"])
+def prefill(module, request):
+    """The kernel with its products on AVX512-BF16 dot products, or on AMX tiles (where this CPU has them): every
+    property below holds for both."""
     kernel = kernels.paged_prefill()
     assert (kernel is not None) == module.supported
     if kernel is None:
         pytest.skip("paged_prefill is not supported on this CPU: the engine takes the torch prefill path")
-    return kernel
+    if request.param == "tiles" and not module.tiles:
+        pytest.skip("no AMX tiles on this CPU")
+    return functools.partial(module.paged_prefill, tiles=request.param == "tiles")
 
 
 def test_supported_exactly_where_the_cpu_has_avx512_bf16(module):
@@ -39,6 +44,32 @@ def test_supported_exactly_where_the_cpu_has_avx512_bf16(module):
     below and leave the engine on the torch path unnoticed."""
     assert module.supported == ("avx512_bf16" in cpu_info()[1])
     assert (kernels.paged_prefill() is not None) == module.supported, "what the engine is offered"
+
+
+def test_tiles_exactly_where_the_cpu_has_amx_unless_capped(module, monkeypatch):
+    """AMX tiles run wherever the CPU has AMX-BF16 (a build that lost them would fall back to the vector path
+    unnoticed), and not where oneDNN is capped below AMX: one cap runs the process as on a CPU without AMX."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    amx = module.supported and "amx_bf16" in cpu_info()[1]
+    assert module.tiles == amx
+    if module.supported:
+        assert kernels.paged_prefill().keywords["tiles"] == amx
+        assert kernels.prefill_path() == ("AMX tiles" if amx else "AVX512-BF16 dot products")
+        for cap, tiles in (("AVX512_CORE_BF16", False), ("avx512_core_amx", amx), ("ALL", amx)):
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+            assert kernels.paged_prefill().keywords["tiles"] == tiles, cap
+
+
+def test_tiles_and_vectors_agree_to_rounding(module):
+    """The tile unit sums a pair's products its own way, so the two paths differ in the last bits only."""
+    if not module.tiles:
+        pytest.skip("no AMX tiles on this CPU")
+    cache, tables, bases, qs = requests(3, SPANS, hk=2, groups=4, d=128)
+    vector = call(functools.partial(module.paged_prefill, tiles=False), cache, tables, bases, SPANS, qs, 0)
+    tiles = call(functools.partial(module.paged_prefill, tiles=True), cache, tables, bases, SPANS, qs, 0)
+    for v, t in zip(vector, tiles):
+        assert (v.float() - t.float()).abs().max() < 0.02
+    assert not all(torch.equal(v, t) for v, t in zip(vector, tiles)), "the same bits: the tile path did not run"
 
 
 def reference(q, cache, table, base, start, window, scale, sinks=None):

@@ -10,6 +10,7 @@ import torch
 from hybridkv.engine.config import DEFAULT_MODEL_DIR, EngineConfig
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.models import packed_rows, registry
+from hybridkv.runner import kernels
 from hybridkv.serve.startup import CPU_FLAGS, cpu_info, cpu_line, listening_line, startup_lines
 from hybridkv.units import format_bytes
 from hybridkv.version import __version__
@@ -104,7 +105,9 @@ def test_bfloat16_lines_count_what_the_probe_trusted(tmp_path, monkeypatch, prob
     assert f"packed_rows trusted for {trusted}, oneDNN kept by the probe for {len(verdicts) - trusted};" in lines[3]
     if probe != "this CPU's":
         assert trusted == 0
-    prefill = "native bf16" if engine.runner.prefill_kernel is not None else "torch (the native kernel needs"
+    prefill = (
+        f"native bf16 ({kernels.prefill_path()})" if engine.runner.prefill_kernel else "torch (the native kernel needs"
+    )
     assert lines[2].startswith(f"attention kernels: decode native, prefill {prefill}")
 
 

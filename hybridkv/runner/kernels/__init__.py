@@ -3,6 +3,8 @@ pure-torch fallback in its caller (`runner/attention.py`)."""
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,9 +23,27 @@ def paged_decode() -> Callable[..., torch.Tensor] | None:
 
 def paged_prefill() -> Callable[..., torch.Tensor] | None:
     """`paged_prefill(q, cache, tables, bases, starts, offsets, window, scale, sinks)`, bfloat16; see
-    `paged_prefill.cpp`. None where the kernels are off or this CPU has no AVX512-BF16."""
+    `paged_prefill.cpp`. None where the kernels are off or this CPU has no AVX512-BF16. Its products run on AMX
+    tiles where `prefill_path()` says so."""
     module = load_kernel(SOURCES / "paged_prefill.cpp")
-    return None if module is None or not module.supported else module.paged_prefill
+    if module is None or not module.supported:
+        return None
+    return functools.partial(module.paged_prefill, tiles=module.tiles and tiles_allowed())
+
+
+def prefill_path() -> str | None:
+    """How `paged_prefill()` multiplies, for the startup log: "AMX tiles", "AVX512-BF16 dot products", or None."""
+    kernel = paged_prefill()
+    if kernel is None:
+        return None
+    return "AMX tiles" if kernel.keywords["tiles"] else "AVX512-BF16 dot products"
+
+
+def tiles_allowed() -> bool:
+    """AMX tiles are used unless oneDNN is capped below them (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`, say): one cap
+    runs the whole process as on a CPU without AMX (oneDNN's layouts, packed_rows, and this kernel's vector path)."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").strip().upper()
+    return cap in ("", "ALL", "DEFAULT") or "AMX" in cap
 
 
 def state_step() -> object | None:

@@ -59,6 +59,44 @@ void pack_head(PackedHead& out, const uint16_t* cache, const int64_t* table, int
   }
 }
 
+// One row's raw scores against key block kb (4 vectors of 16 keys) -> its softmax weights in bfloat16 (p16,
+// zero where masked), the factor its running output is scaled by, and its running max m and sum l. A key j is
+// visible iff lo <= j <= pos.
+inline void softmax_row(__m512 (&s)[4], int64_t kb, int64_t lo, int64_t pos, float scale, uint16_t* p16,
+                        float& corr, float& m, float& l) {
+  __mmask16 vis[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
+  if (lo > kb * kKeys || pos < kb * kKeys + kKeys - 1) {  // a block partly out of view (the all-visible masks
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);  // change nothing)
+    for (int64_t c = 0; c < 4; ++c) {
+      const __m512i j = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(kb * kKeys + c * 16)));
+      vis[c] = _mm512_cmpge_epi32_mask(j, _mm512_set1_epi32(static_cast<int32_t>(lo))) &
+               _mm512_cmple_epi32_mask(j, _mm512_set1_epi32(static_cast<int32_t>(pos)));
+    }
+  }
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t c = 0; c < 4; ++c) {
+    s[c] = _mm512_mul_ps(s[c], _mm512_set1_ps(scale));
+    mx = _mm512_mask_max_ps(mx, vis[c], mx, s[c]);
+  }
+  const float top = std::max(m, _mm512_reduce_max_ps(mx));
+  if (top == -std::numeric_limits<float>::infinity()) {  // nothing visible to this row yet
+    corr = 1.f;
+    std::memset(p16, 0, kKeys * sizeof(uint16_t));
+    return;
+  }
+  corr = std::exp(m - top);
+  __m512 sum = _mm512_setzero_ps();
+  __m512 e[4];
+  for (int64_t c = 0; c < 4; ++c) {
+    e[c] = _mm512_maskz_mov_ps(vis[c], exp16(_mm512_sub_ps(s[c], _mm512_set1_ps(top))));
+    sum = _mm512_add_ps(sum, e[c]);
+  }
+  l = l * corr + _mm512_reduce_add_ps(sum);
+  m = top;
+  _mm512_storeu_si512(p16, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+  _mm512_storeu_si512(p16 + 32, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
+}
+
 // o [RB][d] columns [c0 * 16, (c0 + TV) * 16) = o * corr + p16 . V over one key block; TV 0: the head's last
 // d / 16 - c0 < 4 vectors, counted at run time.
 template <int64_t RB, int64_t TV>
@@ -108,35 +146,7 @@ inline void block_rows(const uint16_t* const* qrow, const int64_t* pos, const in
   }
   alignas(64) uint16_t p16[kRows][kKeys];
   float corr[kRows];
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t r = 0; r < rb; ++r) {
-    __mmask16 vis[4];
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t c = 0; c < 4; ++c) {
-      const __m512i j = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(kb * kKeys + c * 16)));
-      vis[c] = _mm512_cmpge_epi32_mask(j, _mm512_set1_epi32(static_cast<int32_t>(lo[r]))) &
-               _mm512_cmple_epi32_mask(j, _mm512_set1_epi32(static_cast<int32_t>(pos[r])));
-      s[r][c] = _mm512_mul_ps(s[r][c], _mm512_set1_ps(scale));
-      mx = _mm512_mask_max_ps(mx, vis[c], mx, s[r][c]);
-    }
-    const float top = std::max(m[r], _mm512_reduce_max_ps(mx));
-    if (top == -std::numeric_limits<float>::infinity()) {  // nothing visible to this row yet
-      corr[r] = 1.f;
-      std::memset(p16[r], 0, sizeof(p16[r]));
-      continue;
-    }
-    corr[r] = std::exp(m[r] - top);
-    __m512 sum = _mm512_setzero_ps();
-    __m512 e[4];
-    for (int64_t c = 0; c < 4; ++c) {
-      e[c] = _mm512_maskz_mov_ps(vis[c], exp16(_mm512_sub_ps(s[r][c], _mm512_set1_ps(top))));
-      sum = _mm512_add_ps(sum, e[c]);
-    }
-    l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
-    m[r] = top;
-    _mm512_storeu_si512(p16[r], (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
-    _mm512_storeu_si512(p16[r] + 32, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
-  }
+  for (int64_t r = 0; r < rb; ++r) softmax_row(s[r], kb, lo[r], pos[r], scale, p16[r], corr[r], m[r], l[r]);
   for (int64_t c0 = 0; c0 < d / 16; c0 += 4) {
     if (d / 16 - c0 >= 4)
       value_tile<RB, 4>(p16, corr, vp, d, c0, o);
@@ -154,13 +164,16 @@ RowsKernel rows_kernel(int64_t rb) {
   return kernels[rb - 1];
 }
 
+#include "paged_prefill_amx.h"
+
 }  // namespace
 
 constexpr bool kSupported = true;
 
 torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
                             const torch::Tensor& bases, const torch::Tensor& starts, const torch::Tensor& offsets,
-                            int64_t window, double scale, const c10::optional<torch::Tensor>& sinks) {
+                            int64_t window, double scale, const c10::optional<torch::Tensor>& sinks, bool tiles) {
+  TORCH_CHECK(!tiles || (kTiles && tiles_granted()), "paged_prefill: no AMX tiles on this CPU (or not granted)");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
               "q must be a contiguous bfloat16 [N, Hq, D] tensor");
   TORCH_CHECK(cache.dim() == 5 && cache.stride(4) == 1 && cache.scalar_type() == at::kBFloat16,
@@ -209,12 +222,16 @@ torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, 
   at::parallel_for(0, first_task[b], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> o, m, l;
     std::vector<const uint16_t*> qrow;
+    std::vector<uint16_t> qtile;  // tiles: the task's query rows, contiguous, zero rows up to a multiple of 16
     std::vector<int64_t> pos, lo;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (tiles) configure_tiles();
+#endif
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task_req[task], n = off[r + 1] - off[r], tiles = (n + tile_q - 1) / tile_q;
-      const int64_t h = (task - first_task[r]) / tiles, t0 = ((task - first_task[r]) % tiles) * tile_q;
-      const int64_t rows = (std::min(n, t0 + tile_q) - t0) * groups;
-      o.assign(rows * d, 0.f);
+      const int64_t r = task_req[task], n = off[r + 1] - off[r], q_tiles = (n + tile_q - 1) / tile_q;
+      const int64_t h = (task - first_task[r]) / q_tiles, t0 = ((task - first_task[r]) % q_tiles) * tile_q;
+      const int64_t rows = (std::min(n, t0 + tile_q) - t0) * groups, padded = (rows + 15) / 16 * 16;
+      o.assign(padded * d, 0.f);
       m.assign(rows, -std::numeric_limits<float>::infinity());
       l.assign(rows, 0.f);
       qrow.resize(rows);
@@ -227,7 +244,18 @@ torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, 
         lo[i] = window > 0 ? std::max(base[r], pos[i] - window + 1) : base[r];
       }
       const PackedHead& ph = packed[r * hk + h];
-      for (int64_t kb = lo[0] / kKeys; kb <= pos[rows - 1] / kKeys; ++kb)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (tiles) {
+        qtile.assign(padded * d, 0);
+        for (int64_t i = 0; i < rows; ++i) std::memcpy(qtile.data() + i * d, qrow[i], d * 2);
+        for (int64_t kb = lo[0] / kKeys; kb <= pos[rows - 1] / kKeys; ++kb)
+          for (int64_t i0 = 0; i0 < rows; i0 += 16)
+            block_tiles(qtile.data() + i0 * d, pos.data() + i0, lo.data() + i0, std::min<int64_t>(16, rows - i0), ph,
+                        kb - kb0[r], kb, d, static_cast<float>(scale), o.data() + i0 * d, m.data() + i0,
+                        l.data() + i0);
+      }
+#endif
+      for (int64_t kb = lo[0] / kKeys; !tiles && kb <= pos[rows - 1] / kKeys; ++kb)
         for (int64_t i0 = 0; i0 < rows; i0 += kRows)
           rows_kernel(std::min(kRows, rows - i0))(qrow.data() + i0, pos.data() + i0, lo.data() + i0, ph,
                                                   kb - kb0[r], kb, d, static_cast<float>(scale), o.data() + i0 * d,
@@ -235,12 +263,14 @@ torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, 
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = off[r] + t0 + i / groups, head = h * groups + i % groups;
         const float inv = 1.f / (l[i] + (sink_p ? std::exp(sink_p[head] - m[i]) : 0.f));
-        for (int64_t k = 0; k < d; ++k) {
-          const at::BFloat16 x(o[i * d + k] * inv);
-          std::memcpy(op + (t * hq + head) * d + k, &x, 2);
-        }
+        for (int64_t k = 0; k < d; k += 16)  // d is a multiple of 32; store16 rounds as at::BFloat16 does
+          store16(reinterpret_cast<c10::BFloat16*>(op + (t * hq + head) * d + k),
+                  _mm512_mul_ps(_mm512_loadu_ps(o.data() + i * d + k), _mm512_set1_ps(inv)));
       }
     }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (tiles) _tile_release();
+#endif
   });
   return out;
 }
@@ -249,9 +279,12 @@ torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, 
 
 constexpr bool kSupported = false;
 
+constexpr bool kTiles = false;
+inline bool tiles_granted() { return false; }
+
 torch::Tensor paged_prefill(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                             const torch::Tensor&, const torch::Tensor&, int64_t, double,
-                            const c10::optional<torch::Tensor>&) {
+                            const c10::optional<torch::Tensor>&, bool) {
   TORCH_CHECK(false, "paged_prefill needs AVX512-BF16 (this build's CPU has none)");
   return {};
 }
@@ -259,6 +292,9 @@ torch::Tensor paged_prefill(const torch::Tensor&, const torch::Tensor&, const to
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_prefill", &paged_prefill, "prefill attention read in place from a paged KV cache (bfloat16)");
+  m.def("paged_prefill", &paged_prefill, "prefill attention read in place from a paged KV cache (bfloat16)",
+        py::arg("q"), py::arg("cache"), py::arg("tables"), py::arg("bases"), py::arg("starts"), py::arg("offsets"),
+        py::arg("window"), py::arg("scale"), py::arg("sinks"), py::arg("tiles") = false);
   m.attr("supported") = kSupported;
+  m.attr("tiles") = kTiles && tiles_granted();  // AMX: built for it, and the kernel granted the tile state
 }

@@ -1,0 +1,96 @@
+// The AMX tile path of paged_prefill.cpp, included there after PackedHead and softmax_row. Both products of a
+// key block run on the tile unit (TDPBF16PS, 16 x 16 x 32 per instruction); the softmax between them is the
+// vector path's own (softmax_row), so only how the dot products are summed differs:
+//
+//   scores  S[16 rows][64 keys] += Q[16][32 dims] . K-tile[16 dim pairs][16 keys][2]   (d / 32 steps, 4 tiles)
+//   output  O[16 rows][16 dims] = O * corr + P[16][32 keys] . V-tile[16 key pairs][16 dims][2]   (2 steps)
+//
+// The tile unit sums a pair's two products and the accumulator in its own way (not VDPBF16PS's two rounded
+// adds), so this path's bits differ from the vector path's; each output element still depends only on its
+// own row, its own column and its accumulator, so a query's bits depend on its own query and keys, as there.
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+constexpr bool kTiles = true;
+constexpr int64_t kTileRows16 = 16;  // query rows per tile
+
+// Linux hands out the tile registers' state only to a process that asks (arch_prctl, XTILEDATA).
+inline bool tiles_granted() {
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return granted;
+}
+
+// Palette 1, all eight tiles 16 rows x 64 bytes: 0-3 accumulators, 4-7 operands.
+inline void configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+  } config;
+  _tile_loadconfig(&config);
+}
+
+// Rows [0, rb) of a 16-row group against key block `blk` (absolute index kb): q [16][d] bfloat16 (rows past rb
+// zero), o [16][d] float32, m / l [rb]: running output (unnormalised), max and sum.
+inline void block_tiles(const uint16_t* q, const int64_t* pos, const int64_t* lo, int64_t rb, const PackedHead& ph,
+                        int64_t blk, int64_t kb, int64_t d, float scale, float* o, float* m, float* l) {
+  const uint32_t* kp = ph.k32.data() + blk * kKeys * d / 2;  // [d / 2][kKeys]
+  const uint16_t* vp = ph.v16.data() + blk * kKeys * d;      // [kKeys / 2][d][2]
+  alignas(64) float s[kTileRows16][kKeys];
+  alignas(64) uint16_t p16[kTileRows16][kKeys];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t i0 = 0; i0 < d / 2; i0 += 16) {
+    _tile_loadd(4, q + 2 * i0, d * 2);
+    _tile_loadd(5, kp + i0 * kKeys, kKeys * 4);
+    _tile_loadd(6, kp + i0 * kKeys + 16, kKeys * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(7, kp + i0 * kKeys + 32, kKeys * 4);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, kp + i0 * kKeys + 48, kKeys * 4);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, s[0], kKeys * 4);
+  _tile_stored(1, s[0] + 16, kKeys * 4);
+  _tile_stored(2, s[0] + 32, kKeys * 4);
+  _tile_stored(3, s[0] + 48, kKeys * 4);
+  for (int64_t r = 0; r < rb; ++r) {
+    __m512 sr[4];
+    for (int64_t c = 0; c < 4; ++c) sr[c] = _mm512_load_ps(s[r] + c * 16);
+    float corr;
+    softmax_row(sr, kb, lo[r], pos[r], scale, p16[r], corr, m[r], l[r]);
+    for (int64_t k = 0; corr != 1.f && k < d; k += 16)  // o * 1 is o
+      _mm512_storeu_ps(o + r * d + k, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + k), _mm512_set1_ps(corr)));
+  }
+  std::memset(p16[rb], 0, (kTileRows16 - rb) * sizeof(p16[0]));
+  _tile_loadd(4, p16[0], kKeys * 2);       // keys [0, 32)
+  _tile_loadd(5, p16[0] + 32, kKeys * 2);  // keys [32, 64)
+  for (int64_t c = 0; c < d / 16; c += 2) {  // d is a multiple of 32
+    _tile_loadd(0, o + c * 16, d * 4);
+    _tile_loadd(1, o + c * 16 + 16, d * 4);
+    _tile_loadd(6, vp + c * 16 * 2, d * 4);
+    _tile_loadd(7, vp + (c * 16 + 16) * 2, d * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(6, vp + (16 * d + c * 16) * 2, d * 4);
+    _tile_loadd(7, vp + (16 * d + c * 16 + 16) * 2, d * 4);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_stored(0, o + c * 16, d * 4);
+    _tile_stored(1, o + c * 16 + 16, d * 4);
+  }
+}
+
+#else
+
+constexpr bool kTiles = false;
+inline bool tiles_granted() { return false; }
+
+#endif
