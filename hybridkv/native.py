@@ -49,6 +49,14 @@ def native_enabled() -> bool:
     return mode == "native"
 
 
+def tiles_allowed() -> bool:
+    """Whether kernels may use AMX tiles: yes unless oneDNN is capped below them (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`,
+    say), so that one cap runs the whole process as on a CPU without AMX: oneDNN's layouts and arithmetic, the
+    few-row linears (packed_rows instead of packed_tiles) and prefill attention's vector path."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").strip().upper()
+    return cap in ("", "ALL", "DEFAULT") or "AMX" in cap
+
+
 def _build_dir() -> Path:
     """The lazy builds' folder: one per torch version, CPU and checkout (a home shared by machines, or by two
     checkouts at different sources, keeps a build of each instead of replacing one with the other at every start)."""

@@ -1,11 +1,15 @@
 """A linear weight packed once into oneDNN's blocked layout, and the two readers of it: oneDNN's matmul for
-prefill-sized inputs, and the `packed_rows` kernel (`models/kernels/packed_rows.cpp`) for the few rows of a decode
-step (up to 32 rows), where a linear streams its weight: the kernel keeps that stream under its arithmetic.
+prefill-sized inputs, and a few-row kernel for the rows of a decode step (up to 32), where a linear streams its
+weight: the kernel keeps that stream under its arithmetic. Which kernel depends on how oneDNN packs:
+
+    CPU (oneDNN's packing)                      few-row kernel
+    AMX, tiles allowed ([Np/32][Kp/2][32][2])   packed_tiles (models/kernels/packed_tiles.cpp, AMX tiles)
+    AVX512-BF16 ([Np/64][Kp/2][64][2])          packed_rows  (models/kernels/packed_rows.cpp, VDPBF16PS)
 
 The kernel reads the packed bytes in place: no second copy. It is used for a weight only when it can be trusted
-there: bfloat16, the size oneDNN's layout would have, and a probe product equal to oneDNN's bit for bit (a CPU
-whose oneDNN picks another layout, AMX for one, or another summation order keeps oneDNN for every row count).
-So switching readers with the batch size never changes a row's bits.
+there: bfloat16, the size the layout would have, and a probe product equal to oneDNN's bit for bit (a CPU whose
+oneDNN picks another layout or another summation order keeps oneDNN for every row count). So switching readers
+with the batch size never changes a row's bits.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from hybridkv.native import load_kernel
+from hybridkv.native import load_kernel, tiles_allowed
 
 SOURCE = Path(__file__).parent / "kernels" / "packed_rows.cpp"
+TILES_SOURCE = Path(__file__).parent / "kernels" / "packed_tiles.cpp"
 # rows x threads up to which the kernel beats oneDNN where the weights stream from memory (measured AMD EPYC, Qwen3.5-
 # 0.8B shape, decode step: one thread 1.3x at 8 rows, 1.3x at 16, 1.1x at 32; two threads 1.1x at 2 x 2 rows, 1.4x at
 # 2 x 4, 1.2x at 2 x 8). Every row count it may take is probed.
@@ -27,7 +32,12 @@ PROBE_ROWS = (1, 2, 4, 8, 16, 32)
 
 @functools.cache
 def rows_kernel() -> object | None:
-    """The compiled module, or None (kernels off, no compiler, or a CPU without AVX512-BF16)."""
+    """The few-row kernel for the packing this process's oneDNN gives (module with `linear_rows(x, address, n, k,
+    bias)`, `block_n` and `name`): packed_tiles where AMX tiles run, else packed_rows; None where neither applies
+    (kernels off, no compiler, or a CPU without AVX512-BF16)."""
+    tiles = load_kernel(TILES_SOURCE) if tiles_allowed() else None
+    if tiles is not None and tiles.supported:
+        return tiles
     ops = load_kernel(SOURCE)
     return ops if ops is not None and hasattr(ops, "linear_rows") else None
 
@@ -63,8 +73,11 @@ class PackedWeight:
 
 
 def layout_bytes(n: int, k: int) -> int:
-    """Bytes of oneDNN's blocked bf16 layout the kernel reads: [Np/64][Kp/2][64][2]."""
-    return (n + 63) // 64 * 64 * ((k + 31) // 32 * 32) * 2
+    """Bytes of oneDNN's blocked bf16 layout the kernel reads: [Np/B][Kp/2][B][2], B its `block_n` (64, or 32 for
+    AMX), Kp = K up to 32."""
+    ops = rows_kernel()
+    block = 64 if ops is None else ops.block_n
+    return (n + block - 1) // block * block * ((k + 31) // 32 * 32) * 2
 
 
 def readable_address(packed: torch.Tensor, n: int, k: int) -> int | None:

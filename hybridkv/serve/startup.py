@@ -18,7 +18,7 @@ from hybridkv.kv.layout_names import vllm_layout_name
 from hybridkv.kv.model_kv import load_hf_config
 from hybridkv.models.fuse import FusedLinear
 from hybridkv.models.loader import resolve_dtype
-from hybridkv.models.packed_rows import PackedWeight
+from hybridkv.models.packed_rows import PackedWeight, rows_kernel
 from hybridkv.models.rope import apply_rope
 from hybridkv.models.widened import ROWS_LIMIT, WidenedWeight
 from hybridkv.native import KERNELS_ENV, native_enabled
@@ -150,10 +150,11 @@ def kernel_lines(engine: LLMEngine) -> list[str]:
         )
     elif packed:
         trusted = sum(w.address is not None for w in packed)
+        reader = rows_kernel().name if rows_kernel() is not None else "packed_rows"
         rows = (
-            f"packed_rows trusted for {trusted}, oneDNN kept by the probe for {len(packed) - trusted}"
+            f"{reader} trusted for {trusted}, oneDNN kept by the probe for {len(packed) - trusted}"
             if bf16
-            else "packed_rows unused (it reads bfloat16 weights only)"
+            else f"{reader} unused (it reads bfloat16 weights only)"
         )
         fused = ", ".join(f"{name} in {_n(n, 'module')}" for name, n in fused_ops_used(model).items())
         lines.append(f"linears: {len(packed)} packed for oneDNN, {rows}; fused ops: {fused or 'none'}")

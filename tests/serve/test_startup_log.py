@@ -102,7 +102,8 @@ def test_bfloat16_lines_count_what_the_probe_trusted(tmp_path, monkeypatch, prob
     verdicts = seen["verdicts"]
     assert verdicts and len(verdicts) == seen["packed"][0], "one probe verdict per packed bf16 weight"
     trusted = sum(verdicts)
-    assert f"packed_rows trusted for {trusted}, oneDNN kept by the probe for {len(verdicts) - trusted};" in lines[3]
+    reader = packed_rows.rows_kernel().name if packed_rows.rows_kernel() else "packed_rows"
+    assert f"{reader} trusted for {trusted}, oneDNN kept by the probe for {len(verdicts) - trusted};" in lines[3]
     if probe != "this CPU's":
         assert trusted == 0
     prefill = (

@@ -156,6 +156,8 @@ torch::Tensor linear_rows(const torch::Tensor& x, int64_t address, int64_t n_out
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_rows", &linear_rows, "x [M, K] @ W^T (+ bias) from oneDNN's packed bf16 [N, K] weight at `address`");
+  m.attr("block_n") = kBlockN;
+  m.attr("name") = "packed_rows";
 }
 
 #else  // no AVX512-BF16: the module loads without the kernel and linears stay on oneDNN

@@ -4,13 +4,12 @@ pure-torch fallback in its caller (`runner/attention.py`)."""
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from hybridkv.native import load_kernel
+from hybridkv.native import load_kernel, tiles_allowed
 
 SOURCES = Path(__file__).parent
 
@@ -37,13 +36,6 @@ def prefill_path() -> str | None:
     if kernel is None:
         return None
     return "AMX tiles" if kernel.keywords["tiles"] else "AVX512-BF16 dot products"
-
-
-def tiles_allowed() -> bool:
-    """AMX tiles are used unless oneDNN is capped below them (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`, say): one cap
-    runs the whole process as on a CPU without AMX (oneDNN's layouts, packed_rows, and this kernel's vector path)."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").strip().upper()
-    return cap in ("", "ALL", "DEFAULT") or "AMX" in cap
 
 
 def state_step() -> object | None:
