@@ -84,7 +84,7 @@ inline void softmax_row(__m512 (&s)[4], int64_t kb, int64_t lo, int64_t pos, flo
     std::memset(p16, 0, kKeys * sizeof(uint16_t));
     return;
   }
-  corr = std::exp(m - top);
+  corr = top == m ? 1.f : std::exp(m - top);  // e^0 is 1: no call while the max holds
   __m512 sum = _mm512_setzero_ps();
   __m512 e[4];
   for (int64_t c = 0; c < 4; ++c) {
@@ -249,10 +249,11 @@ torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, 
         qtile.assign(padded * d, 0);
         for (int64_t i = 0; i < rows; ++i) std::memcpy(qtile.data() + i * d, qrow[i], d * 2);
         for (int64_t kb = lo[0] / kKeys; kb <= pos[rows - 1] / kKeys; ++kb)
-          for (int64_t i0 = 0; i0 < rows; i0 += 16)
-            block_tiles(qtile.data() + i0 * d, pos.data() + i0, lo.data() + i0, std::min<int64_t>(16, rows - i0), ph,
-                        kb - kb0[r], kb, d, static_cast<float>(scale), o.data() + i0 * d, m.data() + i0,
-                        l.data() + i0);
+          for (int64_t i0 = 0; i0 < rows; i0 += 32) {
+            const auto tiles_fn = rows - i0 > 16 ? block_tiles2 : block_tiles;
+            tiles_fn(qtile.data() + i0 * d, pos.data() + i0, lo.data() + i0, std::min<int64_t>(32, rows - i0), ph,
+                     kb - kb0[r], kb, d, static_cast<float>(scale), o.data() + i0 * d, m.data() + i0, l.data() + i0);
+          }
       }
 #endif
       for (int64_t kb = lo[0] / kKeys; !tiles && kb <= pos[rows - 1] / kKeys; ++kb)
