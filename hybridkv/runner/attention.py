@@ -136,10 +136,12 @@ class PagedAttention:
         workspace: Workspace | None = None,
         decode_kernel: DecodeKernel | None = None,
         prefill_kernel: DecodeKernel | None = None,
+        write_kernel: Callable[..., None] | None = None,
     ) -> None:
         self.workspace = workspace or Workspace()
         self.decode_kernel = decode_kernel  # set iff the metadata was built with `in_place_decode`
         self.prefill_kernel = prefill_kernel  # set iff the metadata was built with `in_place_prefill`
+        self.write_kernel = write_kernel  # new K/V into their slots (CPU); else advanced indexing
         self.views = views  # layer -> [num_blocks, block_size, 2, kv_heads, head_size]; consumers alias targets
         self.layer_group = layer_group
         self.metadata = metadata
@@ -156,7 +158,10 @@ class PagedAttention:
         cache = self.views[layer]
         meta = self.metadata[self.layer_group[layer]]
         if kv is not None:
-            cache[meta.block_ids, meta.offsets] = kv if kv.dtype == cache.dtype else kv.to(cache.dtype)
+            if self.write_kernel is not None and kv.dtype == cache.dtype and kv.is_contiguous():
+                self.write_kernel(cache, meta.block_ids, meta.offsets, kv)
+            else:
+                cache[meta.block_ids, meta.offsets] = kv if kv.dtype == cache.dtype else kv.to(cache.dtype)
             self._gathered.pop(id(cache), None)
         gathered = self._gathered.setdefault(id(cache), {})
         outs = []

@@ -57,6 +57,7 @@ class ModelRunner:
             v.dtype for v in self.memory.views.values()
         }
         self.decode_kernel = kernels.paged_decode() if device.type == "cpu" and len(dtypes) == 1 else None
+        self.write_kernel = kernels.cache_write() if device.type == "cpu" else None
         # Prefill runs too, in bfloat16 with head sizes the kernel's vectors divide (and not in exact steps).
         bf16 = self.decode_kernel is not None and dtypes == {torch.bfloat16}
         heads_fit = all(v.shape[-1] % 32 == 0 for v in self.memory.views.values())
@@ -124,7 +125,11 @@ class ModelRunner:
             out_step = StepIndex(out_positions, [1] * len(out_rows), pack, self.query_tile, self.exact, solo=solo)
             out_metadata = self._metadata(out_step, [chunks[i].block_tables for i in out_chunks])
         pack.upload(self.device)
-        kernels_ = {"decode_kernel": self.decode_kernel, "prefill_kernel": self.prefill_kernel}
+        kernels_ = {
+            "decode_kernel": self.decode_kernel,
+            "prefill_kernel": self.prefill_kernel,
+            "write_kernel": self.write_kernel,
+        }
         attn = PagedAttention(self.memory.views, self.layer_group, metadata, step, self.workspace, **kernels_)
         states = None
         if self.plan.state is not None:

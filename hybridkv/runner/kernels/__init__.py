@@ -20,6 +20,13 @@ def paged_decode() -> Callable[..., torch.Tensor] | None:
     return None if module is None else module.paged_decode
 
 
+def cache_write() -> Callable[..., None] | None:
+    """`write_slots(cache, block_ids, offsets, kv)`: `cache[block_ids, offsets] = kv` for kv in the cache's dtype;
+    see `cache_write.cpp`. None where the kernels are off."""
+    module = load_kernel(SOURCES / "cache_write.cpp")
+    return None if module is None else module.write_slots
+
+
 def paged_prefill() -> Callable[..., torch.Tensor] | None:
     """`paged_prefill(q, cache, tables, bases, starts, offsets, window, scale, sinks)`, bfloat16; see
     `paged_prefill.cpp`. None where the kernels are off or this CPU has no AVX512-BF16. Its products run on AMX
