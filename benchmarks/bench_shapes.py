@@ -183,8 +183,12 @@ def label_native_kernels() -> None:
 
     class Labelled:
         def __init__(self, module, names):
+            self.module = module
             for name in names:
                 setattr(self, name, labelled(name, getattr(module, name)))
+
+        def __getattr__(self, name):  # block_n, name, ...
+            return getattr(self.module, name)
 
     for owner, getter, names in ((packed_rows, "rows_kernel", ["linear_rows"]),
                                  (fused, "fused_ops", ["act_and_mul", "rms_norm", "row_argmax"])):  # fmt: skip

@@ -39,10 +39,10 @@ def paged_prefill() -> Callable[..., torch.Tensor] | None:
 
 def prefill_path() -> str | None:
     """How `paged_prefill()` multiplies, for the startup log: "AMX tiles", "AVX512-BF16 dot products", or None."""
-    kernel = paged_prefill()
-    if kernel is None:
+    module = load_kernel(SOURCES / "paged_prefill.cpp")
+    if module is None or not module.supported:
         return None
-    return "AMX tiles" if kernel.keywords["tiles"] else "AVX512-BF16 dot products"
+    return "AMX tiles" if module.tiles and tiles_allowed() else "AVX512-BF16 dot products"
 
 
 def state_step() -> object | None:
