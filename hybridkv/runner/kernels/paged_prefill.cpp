@@ -1,4 +1,5 @@
-// Prefill attention straight from the paged KV cache, bfloat16 with AVX512-BF16 dot products (vdpbf16ps):
+// Prefill attention straight from the paged KV cache, bfloat16 with AVX512-BF16 dot products (vdpbf16ps), or
+// with both products on AMX tiles where the CPU has them (`tiles`, paged_prefill_amx.h; its own bits):
 // the queries of each request's chunk attend to every key they can see (prefix, own keys causally, sliding
 // window), read in place from the request's blocks. Scores, softmax and output accumulate in float32; the
 // softmax weights are rounded to bfloat16 for the value product, as torch's CPU flash kernel does.
@@ -256,7 +257,7 @@ torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, 
           }
       }
 #endif
-      for (int64_t kb = lo[0] / kKeys; !tiles && kb <= pos[rows - 1] / kKeys; ++kb)
+      for (int64_t kb = lo[0] / kKeys; !tiles && kb <= pos[rows - 1] / kKeys; ++kb)  // the vector path
         for (int64_t i0 = 0; i0 < rows; i0 += kRows)
           rows_kernel(std::min(kRows, rows - i0))(qrow.data() + i0, pos.data() + i0, lo.data() + i0, ph,
                                                   kb - kb0[r], kb, d, static_cast<float>(scale), o.data() + i0 * d,
