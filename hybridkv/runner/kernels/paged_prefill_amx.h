@@ -34,6 +34,28 @@ inline void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
+inline void zero_accumulators() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// The stored scores s of rows [0, rb) against key block kb -> their weights p16 (rows [rb, rows) zero), each
+// row's running output o [rows][d] scaled by its correction, and its running max m and sum l.
+inline void softmax_rows(const float (*s)[kKeys], uint16_t (*p16)[kKeys], int64_t rb, int64_t rows, int64_t kb,
+                         const int64_t* pos, const int64_t* lo, float scale, int64_t d, float* o, float* m, float* l) {
+  for (int64_t r = 0; r < rb; ++r) {
+    __m512 sr[4];
+    for (int64_t c = 0; c < 4; ++c) sr[c] = _mm512_load_ps(s[r] + c * 16);
+    float corr;
+    softmax_row(sr, kb, lo[r], pos[r], scale, p16[r], corr, m[r], l[r]);
+    for (int64_t k = 0; corr != 1.f && k < d; k += 16)  // o * 1 is o
+      _mm512_storeu_ps(o + r * d + k, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + k), _mm512_set1_ps(corr)));
+  }
+  std::memset(p16[rb], 0, (rows - rb) * sizeof(p16[0]));
+}
+
 // Rows [0, rb) of a 16-row group against key block `blk` (absolute index kb): q [16][d] bfloat16 (rows past rb
 // zero), o [16][d] float32, m / l [rb]: running output (unnormalised), max and sum.
 inline void block_tiles(const uint16_t* q, const int64_t* pos, const int64_t* lo, int64_t rb, const PackedHead& ph,
@@ -42,10 +64,7 @@ inline void block_tiles(const uint16_t* q, const int64_t* pos, const int64_t* lo
   const uint16_t* vp = ph.v16.data() + blk * kKeys * d;      // [kKeys / 2][d][2]
   alignas(64) float s[kTileRows16][kKeys];
   alignas(64) uint16_t p16[kTileRows16][kKeys];
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_accumulators();
   for (int64_t i0 = 0; i0 < d / 2; i0 += 16) {
     _tile_loadd(4, q + 2 * i0, d * 2);
     _tile_loadd(5, kp + i0 * kKeys, kKeys * 4);
@@ -61,15 +80,7 @@ inline void block_tiles(const uint16_t* q, const int64_t* pos, const int64_t* lo
   _tile_stored(1, s[0] + 16, kKeys * 4);
   _tile_stored(2, s[0] + 32, kKeys * 4);
   _tile_stored(3, s[0] + 48, kKeys * 4);
-  for (int64_t r = 0; r < rb; ++r) {
-    __m512 sr[4];
-    for (int64_t c = 0; c < 4; ++c) sr[c] = _mm512_load_ps(s[r] + c * 16);
-    float corr;
-    softmax_row(sr, kb, lo[r], pos[r], scale, p16[r], corr, m[r], l[r]);
-    for (int64_t k = 0; corr != 1.f && k < d; k += 16)  // o * 1 is o
-      _mm512_storeu_ps(o + r * d + k, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + k), _mm512_set1_ps(corr)));
-  }
-  std::memset(p16[rb], 0, (kTileRows16 - rb) * sizeof(p16[0]));
+  softmax_rows(s, p16, rb, kTileRows16, kb, pos, lo, scale, d, o, m, l);
   _tile_loadd(4, p16[0], kKeys * 2);       // keys [0, 32)
   _tile_loadd(5, p16[0] + 32, kKeys * 2);  // keys [32, 64)
   for (int64_t c = 0; c < d / 16; c += 2) {  // d is a multiple of 32
@@ -100,10 +111,7 @@ inline void block_tiles2(const uint16_t* q, const int64_t* pos, const int64_t* l
   alignas(64) float s[2 * kTileRows16][kKeys];
   alignas(64) uint16_t p16[2 * kTileRows16][kKeys];
   for (int64_t half = 0; half < 2; ++half) {  // keys [32 * half, 32 * half + 32)
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_accumulators();
     for (int64_t i0 = 0; i0 < d / 2; i0 += 16) {
       _tile_loadd(4, q + 2 * i0, d * 2);
       _tile_loadd(6, kp + i0 * kKeys + 32 * half, kKeys * 4);
@@ -119,15 +127,7 @@ inline void block_tiles2(const uint16_t* q, const int64_t* pos, const int64_t* l
     _tile_stored(2, s[16] + 32 * half, kKeys * 4);
     _tile_stored(3, s[16] + 32 * half + 16, kKeys * 4);
   }
-  for (int64_t r = 0; r < rb; ++r) {
-    __m512 sr[4];
-    for (int64_t c = 0; c < 4; ++c) sr[c] = _mm512_load_ps(s[r] + c * 16);
-    float corr;
-    softmax_row(sr, kb, lo[r], pos[r], scale, p16[r], corr, m[r], l[r]);
-    for (int64_t k = 0; corr != 1.f && k < d; k += 16)  // o * 1 is o
-      _mm512_storeu_ps(o + r * d + k, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + k), _mm512_set1_ps(corr)));
-  }
-  std::memset(p16[rb], 0, (2 * kTileRows16 - rb) * sizeof(p16[0]));
+  softmax_rows(s, p16, rb, 2 * kTileRows16, kb, pos, lo, scale, d, o, m, l);
   float* o1 = o + 16 * d;
   for (int64_t c = 0; c < d / 16; c += 2) {  // output columns [16 c, 16 c + 32)
     _tile_loadd(0, o + c * 16, d * 4);
