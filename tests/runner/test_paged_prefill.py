@@ -72,6 +72,16 @@ def test_tiles_and_vectors_agree_to_rounding(module):
     assert not all(torch.equal(v, t) for v, t in zip(vector, tiles)), "the same bits: the tile path did not run"
 
 
+def test_tiles_refused_where_there_are_none(module):
+    """Asked for tiles on a CPU (or build) without them, the kernel says so instead of running tile instructions
+    the CPU lacks (a SIGILL) or quietly taking the vector path."""
+    if module.tiles or not module.supported:
+        pytest.skip("this CPU has AMX tiles" if module.tiles else "paged_prefill is not supported on this CPU")
+    cache, tables, bases, qs = requests(1, [(0, 30)])
+    with pytest.raises(RuntimeError, match="no AMX tiles"):
+        call(functools.partial(module.paged_prefill, tiles=True), cache, tables, bases, [(0, 30)], qs, 0)
+
+
 def reference(q, cache, table, base, start, window, scale, sinks=None):
     """Queries q [n, Hq, D] at positions [start, start + n) over the request's visible keys, in float64."""
     bs, hk = cache.shape[1], cache.shape[3]

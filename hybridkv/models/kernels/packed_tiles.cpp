@@ -19,33 +19,18 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 namespace {
 
 constexpr int64_t kBlockN = 32;     // outputs per weight block: two 16-column accumulator tiles
 constexpr int64_t kAhead = 4;       // K tiles (2 KiB of weight each) prefetched ahead of the one in use
 
-bool tiles_granted() {  // Linux hands out the tile state only to a process that asks (arch_prctl, XTILEDATA)
-  constexpr long kRequestPermission = 0x1023, kTileData = 18;
-  static const bool granted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  return granted;
-}
-
-// Palette 1. Tiles 0-3 accumulators (rows of group 0: 0, 1; group 1: 2, 3), 4-5 the groups' x, 6-7 weight.
+// Tiles 0-3 accumulators (rows of group 0: 0, 1; group 1: 2, 3), 4-5 the groups' x, 6-7 weight.
 void configure(int64_t rows0, int64_t rows1) {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-    uint8_t rows[16] = {};
-  } config;
   const uint8_t r0 = static_cast<uint8_t>(rows0), r1 = static_cast<uint8_t>(std::max<int64_t>(rows1, 1));
-  const uint8_t rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
-  std::memcpy(config.rows, rows, 8);
-  _tile_loadconfig(&config);
+  configure_tiles({r0, r0, r1, r1, r0, r1, 16, 16});
 }
 
 // One 32-output block: acc [m][32] float32 (stride 32) = xs [m][kp] . block, m <= 32.

@@ -25,6 +25,8 @@
 #include <limits>
 #include <vector>
 
+#include "../../models/kernels/amx.h"
+
 #if defined(__AVX512BF16__)
 #include "../../models/kernels/simd.h"
 
@@ -165,6 +167,15 @@ RowsKernel rows_kernel(int64_t rb) {
   return kernels[rb - 1];
 }
 
+// The vector path: one task's rows [0, rows) against its key blocks, kRows rows a register block.
+void run_vectors(const uint16_t* const* qrow, const int64_t* pos, const int64_t* lo, int64_t rows,
+                 const PackedHead& ph, int64_t kb0, int64_t d, float scale, float* o, float* m, float* l) {
+  for (int64_t kb = lo[0] / kKeys; kb <= pos[rows - 1] / kKeys; ++kb)
+    for (int64_t i0 = 0; i0 < rows; i0 += kRows)
+      rows_kernel(std::min(kRows, rows - i0))(qrow + i0, pos + i0, lo + i0, ph, kb - kb0, kb, d, scale, o + i0 * d,
+                                              m + i0, l + i0);
+}
+
 #include "paged_prefill_amx.h"
 
 }  // namespace
@@ -219,15 +230,14 @@ torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, 
   std::vector<int64_t> task_req(first_task[b]);
   for (int64_t r = 0; r < b; ++r) std::fill(task_req.begin() + first_task[r], task_req.begin() + first_task[r + 1], r);
   auto out = torch::empty_like(q);
+  const float fscale = static_cast<float>(scale);
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, first_task[b], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> o, m, l;
     std::vector<const uint16_t*> qrow;
     std::vector<uint16_t> qtile;  // tiles: the task's query rows, contiguous, zero rows up to a multiple of 16
     std::vector<int64_t> pos, lo;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (tiles) configure_tiles();
-#endif
+    if (tiles) configure_prefill_tiles();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task_req[task], n = off[r + 1] - off[r], q_tiles = (n + tile_q - 1) / tile_q;
       const int64_t h = (task - first_task[r]) / q_tiles, t0 = ((task - first_task[r]) % q_tiles) * tile_q;
@@ -245,23 +255,13 @@ torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, 
         lo[i] = window > 0 ? std::max(base[r], pos[i] - window + 1) : base[r];
       }
       const PackedHead& ph = packed[r * hk + h];
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
       if (tiles) {
         qtile.assign(padded * d, 0);
         for (int64_t i = 0; i < rows; ++i) std::memcpy(qtile.data() + i * d, qrow[i], d * 2);
-        for (int64_t kb = lo[0] / kKeys; kb <= pos[rows - 1] / kKeys; ++kb)
-          for (int64_t i0 = 0; i0 < rows; i0 += 32) {
-            const auto tiles_fn = rows - i0 > 16 ? block_tiles2 : block_tiles;
-            tiles_fn(qtile.data() + i0 * d, pos.data() + i0, lo.data() + i0, std::min<int64_t>(32, rows - i0), ph,
-                     kb - kb0[r], kb, d, static_cast<float>(scale), o.data() + i0 * d, m.data() + i0, l.data() + i0);
-          }
+        run_tiles(qtile.data(), pos.data(), lo.data(), rows, ph, kb0[r], d, fscale, o.data(), m.data(), l.data());
+      } else {
+        run_vectors(qrow.data(), pos.data(), lo.data(), rows, ph, kb0[r], d, fscale, o.data(), m.data(), l.data());
       }
-#endif
-      for (int64_t kb = lo[0] / kKeys; !tiles && kb <= pos[rows - 1] / kKeys; ++kb)  // the vector path
-        for (int64_t i0 = 0; i0 < rows; i0 += kRows)
-          rows_kernel(std::min(kRows, rows - i0))(qrow.data() + i0, pos.data() + i0, lo.data() + i0, ph,
-                                                  kb - kb0[r], kb, d, static_cast<float>(scale), o.data() + i0 * d,
-                                                  m.data() + i0, l.data() + i0);
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = off[r] + t0 + i / groups, head = h * groups + i % groups;
         const float inv = 1.f / (l[i] + (sink_p ? std::exp(sink_p[head] - m[i]) : 0.f));
@@ -270,9 +270,7 @@ torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, 
                   _mm512_mul_ps(_mm512_loadu_ps(o.data() + i * d + k), _mm512_set1_ps(inv)));
       }
     }
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (tiles) _tile_release();
-#endif
+    if (tiles) release_tiles();
   });
   return out;
 }
@@ -280,9 +278,6 @@ torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, 
 #else
 
 constexpr bool kSupported = false;
-
-constexpr bool kTiles = false;
-inline bool tiles_granted() { return false; }
 
 torch::Tensor paged_prefill(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                             const torch::Tensor&, const torch::Tensor&, int64_t, double,

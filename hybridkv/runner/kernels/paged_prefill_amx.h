@@ -1,6 +1,6 @@
-// The AMX tile path of paged_prefill.cpp, included there after PackedHead and softmax_row. Both products of a
-// key block run on the tile unit (TDPBF16PS, 16 x 16 x 32 per instruction); the softmax between them is the
-// vector path's own (softmax_row), so only how the dot products are summed differs:
+// The AMX tile path of paged_prefill.cpp, included there after PackedHead and softmax_row (amx.h before them).
+// Both products of a key block run on the tile unit (TDPBF16PS, 16 x 16 x 32 per instruction); the softmax
+// between them is the vector path's own (softmax_row), so only how the dot products are summed differs:
 //
 //   scores  S[16 rows][64 keys] += Q[16][32 dims] . K-tile[16 dim pairs][16 keys][2]   (d / 32 steps, 4 tiles)
 //   output  O[16 rows][16 dims] = O * corr + P[16][32 keys] . V-tile[16 key pairs][16 dims][2]   (2 steps)
@@ -11,28 +11,10 @@
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-constexpr bool kTiles = true;
 constexpr int64_t kTileRows16 = 16;  // query rows per tile
 
-// Linux hands out the tile registers' state only to a process that asks (arch_prctl, XTILEDATA).
-inline bool tiles_granted() {
-  constexpr long kRequestPermission = 0x1023, kTileData = 18;
-  static const bool granted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  return granted;
-}
-
-// Palette 1, all eight tiles 16 rows x 64 bytes: 0-3 accumulators, 4-7 operands.
-inline void configure_tiles() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-  } config;
-  _tile_loadconfig(&config);
-}
+// All eight tiles 16 rows x 64 bytes: 0-3 accumulators, 4-7 operands.
+inline void configure_prefill_tiles() { configure_tiles({16, 16, 16, 16, 16, 16, 16, 16}); }
 
 inline void zero_accumulators() {
   _tile_zero(0);
@@ -152,9 +134,22 @@ inline void block_tiles2(const uint16_t* q, const int64_t* pos, const int64_t* l
   }
 }
 
-#else
+// One task's rows [0, rows) against its key blocks [lo[0] / kKeys, pos[rows - 1] / kKeys], 32 rows a pass:
+// q [rows up to 16][d] contiguous, rows past `rows` zero; kb0 is the first block `ph` holds.
+inline void run_tiles(const uint16_t* q, const int64_t* pos, const int64_t* lo, int64_t rows, const PackedHead& ph,
+                      int64_t kb0, int64_t d, float scale, float* o, float* m, float* l) {
+  for (int64_t kb = lo[0] / kKeys; kb <= pos[rows - 1] / kKeys; ++kb)
+    for (int64_t i0 = 0; i0 < rows; i0 += 32) {
+      const auto tiles_fn = rows - i0 > 16 ? block_tiles2 : block_tiles;
+      tiles_fn(q + i0 * d, pos + i0, lo + i0, std::min<int64_t>(32, rows - i0), ph, kb - kb0, kb, d, scale,
+               o + i0 * d, m + i0, l + i0);
+    }
+}
 
-constexpr bool kTiles = false;
-inline bool tiles_granted() { return false; }
+#else  // paged_prefill refuses `tiles` before any of these is reached
+
+inline void configure_prefill_tiles() {}
+inline void run_tiles(const uint16_t*, const int64_t*, const int64_t*, int64_t, const PackedHead&, int64_t, int64_t,
+                      float, float*, float*, float*) {}
 
 #endif
