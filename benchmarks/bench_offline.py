@@ -210,7 +210,7 @@ def structured_runner(folder: Path) -> Callable[[list[list[int]], str], tuple[fl
 
     from hybridkv.engine.llm import LLM
     from hybridkv.request.sampling_params import SamplingParams
-    from hybridkv.structured import StructuredOutputs
+    from hybridkv.structured.spec import StructuredOutputs
     from hybridkv.tiny_models import add_tokenizer
 
     with_tok = folder.with_name(folder.name + "-tokenizer")

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from hybridkv.kv.layout import KV_LAYOUTS
+from hybridkv.kv.layout_names import KV_LAYOUTS
 
 
 def bench_throughput(

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from hybridkv.cli.options import MambaSsmCacheDtype
-from hybridkv.kv.layout import KV_LAYOUTS
+from hybridkv.kv.layout_names import KV_LAYOUTS
 
 
 def evaluate(

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from hybridkv.json_config import json_object
-from hybridkv.kv.layout import KV_LAYOUTS, cross_layers_enabled
-from hybridkv.kv.model_kv import load_hf_config
-from hybridkv.kv.plan import KVPlan
-from hybridkv.kv.planner import CacheConfig, plan_from_hf_config
+from hybridkv.kv.layout_names import KV_LAYOUTS
 from hybridkv.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:  # the planner loads torch (dtypes): imported where a plan is made, not for `hybridkv --help`
+    from hybridkv.kv.plan import KVPlan
+    from hybridkv.kv.planner import CacheConfig
 
 
 def parse_extra_config(text: str | None) -> dict:
@@ -39,6 +40,10 @@ def plan(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
+    from hybridkv.kv.layout import cross_layers_enabled
+    from hybridkv.kv.model_kv import load_hf_config
+    from hybridkv.kv.planner import CacheConfig, plan_from_hf_config
+
     try:
         hf = load_hf_config(config)
         cache = CacheConfig(
@@ -69,6 +74,8 @@ def plan(
 
 
 def _with_layout(cache: CacheConfig, layout: str) -> CacheConfig:
+    from hybridkv.kv.planner import CacheConfig
+
     return CacheConfig(
         memory_bytes=cache.memory_bytes,
         max_model_len=cache.max_model_len,

@@ -25,7 +25,7 @@ from hybridkv.cli.vllm_flags import (
     resolve_model,
     tool_parser,
 )
-from hybridkv.kv.layout import KV_LAYOUTS
+from hybridkv.kv.layout_names import KV_LAYOUTS
 from hybridkv.serve.tools import TOOL_PARSERS
 
 

@@ -7,7 +7,6 @@
   the ownership checks are `hybridkv/ownership.py`, shared with the native kernel loader).
 - `pd/`: NixlConnector, prefill/decode disaggregation.
 - `offload/`: OffloadingConnector, CPU memory and disk tiers.
-"""
 
-from hybridkv.connectors.offload import connector as _offload  # noqa: F401  (registers itself)
-from hybridkv.connectors.pd import connector as _pd  # noqa: F401  (registers itself)
+Each connector registers itself when its module loads; `base.connector_factory` loads it when a config names it.
+"""

@@ -12,6 +12,7 @@ it only when `poll()` lists the request in `released` (or `abort()` / `request_f
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,8 +37,8 @@ class KVTransferConfig:
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
-        if self.kv_connector not in CONNECTORS:
-            known = ", ".join(sorted(CONNECTORS)) or "none registered"
+        if self.kv_connector not in known_connectors():
+            known = ", ".join(known_connectors())
             raise ValueError(f"kv_transfer_config.kv_connector {self.kv_connector!r} is unknown; known: {known}")
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_transfer_config.kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
@@ -208,7 +209,24 @@ class KVConnector:
 
 
 ConnectorFactory = Callable[[KVTransferConfig, EngineIdentity], KVConnector]
-CONNECTORS: dict[str, ConnectorFactory] = {}
+CONNECTORS: dict[str, ConnectorFactory] = {}  # filled by `register_connector` as each connector's module loads
+# The module that registers each built-in connector, imported when its name is first asked for: importing one
+# connector's parts (the proxy reads PD's transfer params) then loads no other connector, and not torch.
+CONNECTOR_MODULES = {
+    "NixlConnector": "hybridkv.connectors.pd.connector",
+    "OffloadingConnector": "hybridkv.connectors.offload.connector",
+}
+
+
+def known_connectors() -> list[str]:
+    return sorted(set(CONNECTORS) | set(CONNECTOR_MODULES))
+
+
+def connector_factory(name: str) -> ConnectorFactory:
+    """The factory registered under `name` (a `KVTransferConfig` checked it is known), its module loaded once."""
+    if name not in CONNECTORS and name in CONNECTOR_MODULES:
+        importlib.import_module(CONNECTOR_MODULES[name])
+    return CONNECTORS[name]
 
 
 def register_connector(name: str) -> Callable[[ConnectorFactory], ConnectorFactory]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.connectors.base import CONNECTORS, EngineIdentity, KVConnector
+from hybridkv.connectors.base import EngineIdentity, KVConnector, connector_factory
 from hybridkv.connectors.identity import model_fingerprint
 from hybridkv.engine import prompt_logprobs
 from hybridkv.engine.chunking import ExactChunks, FreeChunks, exact_unit
@@ -78,7 +78,8 @@ class LLMEngine:
         self.connector: KVConnector | None = None
         if config.kv_transfer_config is not None:
             identity = EngineIdentity(uuid.uuid4().hex, model_fingerprint(config.model), config.dtype)
-            self.connector = CONNECTORS[config.kv_transfer_config.kv_connector](config.kv_transfer_config, identity)
+            factory = connector_factory(config.kv_transfer_config.kv_connector)
+            self.connector = factory(config.kv_transfer_config, identity)
             self.connector.resume_unit = unit
             self.connector.pages = self.kv.pages  # type: ignore[method-assign]
             self.connector.register(self.plan, self.runner.memory)

@@ -26,7 +26,7 @@ from hybridkv.serve.chat import ChatRenderer, chat_ids
 from hybridkv.serve.chat_protocol import ChatRequest
 from hybridkv.serve.compile_pool import CompileBusy
 from hybridkv.serve.fanout import best, sequence_params
-from hybridkv.serve.guards import error_response, guard, off_loop, require_json, tenant_salt
+from hybridkv.serve.guards import error_response, guard, off_loop, require_json, tenant_salt, until_disconnected
 from hybridkv.serve.info_routes import add_info_routes, check_model
 from hybridkv.serve.limits import checked, request_limits
 from hybridkv.serve.protocol import APIError, CompletionRequest
@@ -38,7 +38,6 @@ from hybridkv.serve.responses import (
     joined,
     meta,
     sse,
-    until_disconnected,
     usage_of,
     whole_sse,
 )

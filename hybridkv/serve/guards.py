@@ -9,6 +9,7 @@
   preflight these servers never grant, at most `max_request_bytes` (413: a Content-Length over it is refused
   before a byte is read), nested at most MAX_JSON_DEPTH deep and valid Unicode (no lone surrogates). Parsing
   runs off the event loop, so a large body delays no other request.
+- `until_disconnected`: a route's work, cancelled (a 499) when its client goes away before it is done.
 
 Both middlewares are plain ASGI: streamed responses pass through untouched (an `@app.middleware("http")` function
 would copy every SSE chunk through an extra task).
@@ -22,7 +23,7 @@ import hmac
 import ipaddress
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -188,3 +189,20 @@ def _check_text(text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise APIError(400, "the request body holds a lone surrogate (\\ud800-\\udfff alone): not valid Unicode") from e
+
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+
+
+async def until_disconnected(request: Any, work: Awaitable[T]) -> T:
+    """`await work`, cancelled (which aborts its requests) if the client goes away first: a 499."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError(499, "the client closed the request", "client_closed")
+    finally:
+        task.cancel()

@@ -22,10 +22,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from hybridkv.connectors.pd.protocol import RemoteDecode
-from hybridkv.serve.guards import DEFAULT_MAX_REQUEST_BYTES, error_response, guard, require_json
+from hybridkv.connectors.pd.transfer_params import RemoteDecode
+from hybridkv.serve.guards import DEFAULT_MAX_REQUEST_BYTES, error_response, guard, require_json, until_disconnected
 from hybridkv.serve.protocol import APIError
-from hybridkv.serve.responses import until_disconnected
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple, TypeVar
 
 from fastapi.responses import StreamingResponse
@@ -50,23 +50,6 @@ async def collect(updates: AsyncIterator[Update]) -> Collected:
         raise APIError(502, str(e), "server_error") from e
     assert last is not None
     return Collected(text, last, logprobs, prompt_logprobs)
-
-
-DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
-
-
-async def until_disconnected(request: Any, work: Awaitable[T]) -> T:
-    """`await work`, cancelled (which aborts its requests) if the client goes away first: a 499."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise APIError(499, "the client closed the request", "client_closed")
-    finally:
-        task.cancel()
 
 
 def completion_logprobs(

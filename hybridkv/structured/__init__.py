@@ -1,6 +1,6 @@
-"""Structured output: a request's output constrained by a JSON schema, a regex, a choice or a grammar."""
+"""Structured output: a request's output constrained by a JSON schema, a regex, a choice or a grammar.
 
-from hybridkv.structured.grammar import GrammarCompiler, GrammarMatcher
-from hybridkv.structured.spec import KINDS, StructuredOutputs
-
-__all__ = ["KINDS", "GrammarCompiler", "GrammarMatcher", "StructuredOutputs"]
+- `spec`: what a request asks for (`StructuredOutputs`, `KINDS`), plain data, no torch;
+- `grammar`: compiling it (`GrammarCompiler`) and following it token by token (`GrammarMatcher`);
+- `constraints`: the engine's cache of compiled grammars and its per-request matchers.
+"""

@@ -78,9 +78,9 @@ def test_side_channel_answers_and_a_taken_port_is_a_clear_error():
     ],
 )
 def test_bad_nixl_options_are_clear_errors(extra, message, monkeypatch):
-    from hybridkv.connectors.base import CONNECTORS, EngineIdentity
+    from hybridkv.connectors.base import EngineIdentity, connector_factory
 
     monkeypatch.delenv("HYBRIDKV_KV_SECRET", raising=False)
     config = KVTransferConfig("NixlConnector", kv_connector_extra_config=extra)
     with pytest.raises(ValueError, match=message):
-        CONNECTORS["NixlConnector"](config, EngineIdentity("e", "model", "float32"))
+        connector_factory("NixlConnector")(config, EngineIdentity("e", "model", "float32"))

@@ -9,8 +9,9 @@ from pathlib import Path
 from hybridkv.connectors.base import ConnectorEvents
 from hybridkv.connectors.pd.descriptors import Placement
 from hybridkv.connectors.pd.peer_io import PeerResult, ResultKind
-from hybridkv.connectors.pd.protocol import HandshakeReply, HandshakeRequest, RemotePrefill, prompt_hash
+from hybridkv.connectors.pd.protocol import HandshakeReply, HandshakeRequest
 from hybridkv.connectors.pd.reader import NixlReader, Peer
+from hybridkv.connectors.pd.transfer_params import RemotePrefill, prompt_hash
 from hybridkv.kv.planner import CacheConfig, plan_from_hf_config
 from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.request.state import Request

@@ -9,15 +9,8 @@ import pytest
 
 from hybridkv.connectors.mesh_auth import MeshKeys
 from hybridkv.connectors.pd.params import ParamLimits, parse_transfer_params
-from hybridkv.connectors.pd.protocol import (
-    PREFILL_KEYS,
-    RemoteDecode,
-    RemotePrefill,
-    parse_handshake_reply,
-    parse_lease_reply,
-    parse_request,
-    prompt_hash,
-)
+from hybridkv.connectors.pd.protocol import parse_handshake_reply, parse_lease_reply, parse_request
+from hybridkv.connectors.pd.transfer_params import PREFILL_KEYS, RemoteDecode, RemotePrefill, prompt_hash
 
 LIMITS = ParamLimits(num_groups=2, max_blocks=33, max_tokens=512)
 KEYS = MeshKeys.derive(b"a mesh secret of enough bytes")

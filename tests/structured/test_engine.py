@@ -11,7 +11,7 @@ import pytest
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine.config import DEFAULT_MODEL_DIR
-from hybridkv.structured import StructuredOutputs
+from hybridkv.structured.spec import StructuredOutputs
 
 # No model emits this unconstrained: a valid output proves the constraint ran.
 SCHEMA = {

@@ -15,8 +15,8 @@ from hybridkv.request.sampling_params import SamplingParams
 from hybridkv.runner.sampler import TOP_CANDIDATES, sample
 from hybridkv.serve.chat_protocol import ChatRequest
 from hybridkv.serve.protocol import APIError, CompletionRequest, parse
-from hybridkv.structured import GrammarCompiler, StructuredOutputs
-from hybridkv.structured.grammar import unpack
+from hybridkv.structured.grammar import GrammarCompiler, unpack
+from hybridkv.structured.spec import StructuredOutputs
 from tests.runner.test_sampler_filters import LOGITS, assert_frequencies_match, reference
 
 EOS = (1, 202, 427)  # the embedded model's

@@ -35,6 +35,7 @@ from hybridkv.connectors.mesh_auth import MeshKeys, load_secret
 from hybridkv.connectors.pd import read_stats
 from hybridkv.connectors.pd.descriptors import Placement
 from hybridkv.connectors.pd.leases import LeaseTable
+from hybridkv.connectors.pd.options import NixlOptions
 from hybridkv.connectors.pd.params import ParamLimits, is_loopback, parse_transfer_params
 from hybridkv.connectors.pd.peer_io import PeerIO
 from hybridkv.connectors.pd.protocol import (
@@ -44,16 +45,18 @@ from hybridkv.connectors.pd.protocol import (
     LeaseRequest,
     Op,
     Refusal,
+    parse_request,
+)
+from hybridkv.connectors.pd.reader import NixlReader
+from hybridkv.connectors.pd.side_channel_server import SideChannelServer
+from hybridkv.connectors.pd.transfer_params import (
     RemoteBatch,
     RemoteDecode,
     RemotePrefill,
     TransferParams,
     batch_json,
-    parse_request,
     prompt_hash,
 )
-from hybridkv.connectors.pd.reader import NixlReader
-from hybridkv.connectors.pd.side_channel_server import SideChannelServer
 from hybridkv.connectors.pd.transport import NixlTransport
 from hybridkv.connectors.pd.used_leases import UsedLeases
 from hybridkv.kv.histogram import HistogramSnapshot
@@ -63,17 +66,6 @@ from hybridkv.request.state import Request
 
 logger = logging.getLogger(__name__)
 
-OPTIONS = {
-    "side_channel_host",
-    "side_channel_port",
-    "kv_lease_s",
-    "kv_load_failure_policy",
-    "kv_transfer_timeout_s",
-    "enable_cross_layers_blocks",
-    "backends",
-    "secret_file",
-}
-POLICIES = ("recompute", "fail")
 PROGRESS_EVERY_S = 0.0005  # how often a prefill instance drives UCX while it holds leases (a peer may read)
 POLL_READS_EVERY_S = 0.00005  # how often a reader polls its reads in flight (they last ~0.1-10 ms)
 INCOMPATIBLE = "incompatible KV: the model, dtype, block size or KV groups differ"
@@ -83,22 +75,12 @@ MAX_LEASED_FRACTION = 0.5  # of the pool that leases may hold: requests that kee
 @register_connector("NixlConnector")
 class NixlConnector(KVConnector):
     def __init__(self, config: KVTransferConfig, identity: EngineIdentity) -> None:
-        unknown = set(config.kv_connector_extra_config) - OPTIONS
-        if unknown:
-            known = ", ".join(sorted(OPTIONS))
-            raise ValueError(f"kv_connector_extra_config has unknown keys {sorted(unknown)}; known: {known}")
+        options = NixlOptions.of(config)
         self.identity = identity
-        self.host = config.option("side_channel_host", "127.0.0.1", str)
-        self.port = config.option("side_channel_port", 5600, int)
-        self.lease_s = config.option("kv_lease_s", 30.0, float)
-        self.timeout_s = config.option("kv_transfer_timeout_s", 30.0, float)
-        self.load_failure_policy = config.option("kv_load_failure_policy", "recompute", str)
-        self.backends = config.option("backends", ["UCX"], list)
-        if self.load_failure_policy not in POLICIES:
-            raise ValueError(f"kv_connector_extra_config.kv_load_failure_policy must be one of {POLICIES}")
-        if self.lease_s <= 0 or self.timeout_s <= 0:
-            raise ValueError("kv_connector_extra_config.kv_lease_s and kv_transfer_timeout_s must be positive")
-        self.keys = MeshKeys.derive(load_secret(config.option("secret_file", None, str)))
+        self.host, self.port = options.host, options.port  # port: as bound, once the server is up
+        self.lease_s, self.timeout_s = options.lease_s, options.timeout_s
+        self.load_failure_policy, self.backends = options.load_failure_policy, list(options.backends)
+        self.keys = MeshKeys.derive(load_secret(options.secret_file))
         if not self.keys.authenticated and not is_loopback(self.host):
             raise ValueError(
                 f"the KV side channel would listen on {self.host} without a mesh secret: any host that reaches it "

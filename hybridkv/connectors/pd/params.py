@@ -18,7 +18,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.connectors.pd.protocol import PREFILL_KEYS, RemoteBatch, RemoteDecode, RemotePrefill, TransferParams
+from hybridkv.connectors.pd.transfer_params import (
+    PREFILL_KEYS,
+    RemoteBatch,
+    RemoteDecode,
+    RemotePrefill,
+    TransferParams,
+)
 
 MAX_BLOCK_ID = (1 << 31) - 1
 _ENGINE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -1,8 +1,5 @@
-"""The PD protocol, typed: the kv_transfer_params a prefill instance hands a decoder (vLLM's field names), the
-side channel's messages (what a decoder asks a prefill instance and what it answers) and a load's states.
-
-    kv_transfer_params: RemoteDecode {do_remote_decode: true} to a prefill instance -> RemotePrefill (signed, one
-                        per prompt; a batch's are a RemoteBatch) back, which the client passes to a decoder
+"""The PD side channel, typed: what a decoder asks a prefill instance and what it answers, and a load's states
+(the kv_transfer_params that lead a decoder there are in `transfer_params.py`).
 
     HandshakeRequest {op: handshake, compat, engine_id}  -> HandshakeReply | Refusal
     LeaseRequest     {op: renew | release, lease_id, signature} -> LeaseReply | Refusal
@@ -15,19 +12,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
-import json
 import re
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from hybridkv.connectors.mesh_auth import mac, mac_ok
 from hybridkv.connectors.pd.descriptors import Placement
 
-EXPIRY_SLACK_S = 5  # clock difference tolerated between the prefill instance and the decoder
 MAX_METADATA = 1 << 18  # bytes of NIXL agent metadata (a few hundred bytes per registered buffer)
 MAX_LAYERS = 4096
 MAX_NUM_BLOCKS = 1 << 31
@@ -35,103 +27,6 @@ _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _LAYOUT = re.compile(r"[a-z_-]{1,32}")
-
-
-def prompt_hash(token_ids: list[int]) -> str:
-    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class RemoteDecode:
-    """To a prefill instance: keep this request's blocks under a lease for a decoder to read."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"do_remote_decode": True}
-
-
-@dataclass(frozen=True)
-class RemotePrefill:
-    """To a decoder: read this prompt's KV from the prefill instance `engine_id` at `host:port`."""
-
-    engine_id: str
-    host: str
-    port: int
-    request_id: str  # the prefill instance's request id, for logs
-    lease_id: str  # 128-bit random hex: a capability for this lease only
-    block_ids: tuple[tuple[int, ...], ...]  # per group; 0 where no token reads (a sliding window let it go)
-    num_tokens: int
-    prompt_hash: str
-    expires_at: int  # wall-clock seconds: the lease ends by then unless a reader renews it
-    signature: str = ""
-    # For a plan with a state group: the pages of each state entry the table holds (nonzero entries of
-    # block_ids[state group], in entry order). On the wire as runs [first id, count] (`page_runs`).
-    state_pages: tuple[tuple[int, ...], ...] = ()
-
-    def signed_bytes(self) -> bytes:
-        fields = [self.engine_id, self.host, self.port, self.request_id, self.lease_id,
-                  [list(g) for g in self.block_ids], self.num_tokens, self.prompt_hash, self.expires_at]  # fmt: skip
-        if self.state_pages:
-            fields.append([page_runs(p) for p in self.state_pages])
-        return json.dumps(fields, separators=(",", ":")).encode()
-
-    def signed(self, params_key: bytes) -> RemotePrefill:
-        sig = mac(params_key, b"remote prefill", self.signed_bytes()).hex()
-        return replace(self, signature=sig)
-
-    def signature_ok(self, params_key: bytes) -> bool:
-        try:
-            tag = bytes.fromhex(self.signature)
-        except ValueError:
-            return False
-        return mac_ok(params_key, tag, b"remote prefill", self.signed_bytes())
-
-    def expired(self, now: float | None = None) -> bool:
-        return (time.time() if now is None else now) > self.expires_at + EXPIRY_SLACK_S
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "remote_request_id": self.request_id,
-            "remote_block_ids": [list(g) for g in self.block_ids],
-            "remote_num_tokens": self.num_tokens,
-            "prompt_hash": self.prompt_hash,
-            "lease_id": self.lease_id,
-            "expires_at": self.expires_at,
-            "signature": self.signature,
-        } | ({"remote_state_pages": [page_runs(p) for p in self.state_pages]} if self.state_pages else {})
-
-
-def page_runs(pages: tuple[int, ...]) -> list[list[int]]:
-    """Block ids as runs [first, count] of consecutive ids (a fresh pool hands out bundles as one run)."""
-    runs: list[list[int]] = []
-    for p in pages:
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            runs[-1][1] += 1
-        else:
-            runs.append([p, 1])
-    return runs
-
-
-@dataclass(frozen=True)
-class RemoteBatch:
-    """To a decoder, for a completions batch: each prompt's RemotePrefill in order (None: compute that prompt)."""
-
-    items: tuple[RemotePrefill | None, ...]
-
-
-def batch_json(items: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """One kv_transfer_params object for a batch, as routers pass it on unread."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "batch": items}
-
-
-TransferParams = RemoteDecode | RemotePrefill | RemoteBatch
-PREFILL_KEYS = frozenset({"do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_host", "remote_port",
-                          "remote_request_id", "remote_block_ids", "remote_num_tokens", "prompt_hash", "lease_id",
-                          "expires_at", "signature", "remote_state_pages"})  # fmt: skip
 
 
 class LoadState(Enum):

@@ -21,7 +21,8 @@ from hybridkv.connectors.base import ConnectorEvents
 from hybridkv.connectors.pd import read_stats
 from hybridkv.connectors.pd.descriptors import Placement, block_moves, pair_descriptors
 from hybridkv.connectors.pd.peer_io import PeerIO, PeerResult, ResultKind, Target
-from hybridkv.connectors.pd.protocol import HandshakeRequest, LoadState, RemotePrefill, prompt_hash
+from hybridkv.connectors.pd.protocol import HandshakeRequest, LoadState
+from hybridkv.connectors.pd.transfer_params import RemotePrefill, prompt_hash
 from hybridkv.connectors.pd.transport import NixlTransport
 from hybridkv.kv.plan import KVPlan
 from hybridkv.kv.prefix import reusable_tokens

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 
-from hybridkv.connectors.pd.protocol import EXPIRY_SLACK_S
+from hybridkv.connectors.pd.transfer_params import EXPIRY_SLACK_S
 
 MAX_USED = 1 << 16  # lease ids remembered at once
 
