@@ -135,7 +135,7 @@ inline void block_tiles2(const uint16_t* q, const int64_t* pos, const int64_t* l
 }
 
 // One task's rows [0, rows) against its key blocks [lo[0] / kKeys, pos[rows - 1] / kKeys], 32 rows a pass:
-// q [rows up to 16][d] contiguous, rows past `rows` zero; kb0 is the first block `ph` holds.
+// q [rows rounded up to 16][d] contiguous, rows past `rows` zero; kb0 is the first block `ph` holds.
 inline void run_tiles(const uint16_t* q, const int64_t* pos, const int64_t* lo, int64_t rows, const PackedHead& ph,
                       int64_t kb0, int64_t d, float scale, float* o, float* m, float* l) {
   for (int64_t kb = lo[0] / kKeys; kb <= pos[rows - 1] / kKeys; ++kb)
