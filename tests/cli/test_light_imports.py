@@ -32,3 +32,10 @@ def test_a_connector_is_loaded_when_a_config_names_it():
     )
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "OffloadingConnector"
+
+
+def test_an_unknown_connector_is_refused_with_the_known_ones():
+    from hybridkv.connectors.base import KVTransferConfig
+
+    with pytest.raises(ValueError, match="'NixlConector' is unknown; known: NixlConnector, OffloadingConnector"):
+        KVTransferConfig("NixlConector")
